@@ -71,7 +71,8 @@ def _urls(parser: argparse.ArgumentParser, hosts: list[str], ports: list[int],
     if len(hosts) != len(ports):
         parser.error(f"--{name}-hosts has {len(hosts)} values but --{name}-ports has "
                      f"{len(ports)}: give one port per host")
-    return tuple(f"http://{f'[{h}]' if ':' in h else h}:{p}/v1" for h, p in zip(hosts, ports))
+    pairs = zip(hosts, ports, strict=True)
+    return tuple(f"http://{f'[{h}]' if ':' in h else h}:{p}/v1" for h, p in pairs)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

@@ -48,14 +48,14 @@ ROLES: Final = ("P", "D")
 TRANSFER_MODES: Final = ("READ", "WRITE")
 
 
-class Policy(str, enum.Enum):
+class Policy(enum.StrEnum):
     """How an instance of a role is chosen."""
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
 
 
-class Dialect(str, enum.Enum):
+class Dialect(enum.StrEnum):
     """The three announcement dialects seen in the field (PROTOCOL.md section 1)."""
 
     MORIIO = "moriio"
@@ -449,7 +449,7 @@ class DiscoveryListener:
         logger.info("discovery listening on %s", self.endpoint)
         try:
             while True:
-                if await self._sock.poll(SWEEP_INTERVAL_S * 1000, zmq.POLLIN):
+                if await self._sock.poll(SWEEP_INTERVAL_S * 1000):
                     self.handle(await self._sock.recv_multipart())
                 self.table.sweep()
         finally:
@@ -474,7 +474,7 @@ class DiscoveryListener:
 
 
 def _zmq_host(host: str) -> str:
-    return "*" if host in ("", "0.0.0.0") else host  # noqa: S104 - binding all is the user's call
+    return "*" if host in ("", "0.0.0.0") else host
 
 
 class Announcer:

@@ -27,7 +27,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -257,9 +257,8 @@ def check_route_body(route: str, body: Mapping[str, Any]) -> None:
                          "disaggregated prefill; send one request per prompt")
 
 
-def request_id_from(headers: Mapping[str, str]) -> str:
+def request_id_from(given: str | None) -> str:
     """The client's X-Request-Id when it sent a sane one, else a fresh uuid."""
-    given = headers.get("X-Request-Id")
     if given is None or given == "":
         return str(uuid.uuid4())
     if len(given) > MAX_REQUEST_ID_CHARS or not given.isascii() or not given.isprintable():
@@ -458,9 +457,11 @@ async def _relay_chunks(resp: aiohttp.ClientResponse, request_id: str,
 
 
 async def _client_request(route: str) -> ClientRequest:
-    body = parse_body(await request.get_data(as_text=False))
+    raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    body = parse_body(raw)
     check_route_body(route, body)
-    return ClientRequest(route=route, body=body, request_id=request_id_from(request.headers),
+    rid = request_id_from(request.headers.get("X-Request-Id"))
+    return ClientRequest(route=route, body=body, request_id=rid,
                          authorization=request.headers.get("Authorization"))
 
 
@@ -511,12 +512,15 @@ def create_base_app(settings: Settings, flow: Flow, name: str) -> Quart:
     return app
 
 
-def _lifespan(app: Quart) -> Callable[[], AsyncIterator[None]]:
-    async def lifespan() -> AsyncIterator[None]:
+def _lifespan(app: Quart) -> Callable[[], AsyncGenerator[None, None]]:
+    async def lifespan() -> AsyncGenerator[None, None]:
         st = state_of(app)
+        listener = bind_discovery(st)
         connector = aiohttp.TCPConnector(limit=UPSTREAM_POOL_LIMIT, enable_cleanup_closed=True)
         st._session = aiohttp.ClientSession(connector=connector, timeout=st.timeout())
-        task = _start_listener(st)
+        task = None
+        if listener is not None:
+            task = asyncio.create_task(listener.run(), name="discovery-listener")
         try:
             yield
         finally:
@@ -525,16 +529,18 @@ def _lifespan(app: Quart) -> Callable[[], AsyncIterator[None]]:
                 await asyncio.gather(task, return_exceptions=True)
             await st._session.close()
             st._session = None
+            st.listener = None
 
     return lifespan
 
 
-def _start_listener(st: ProxyState) -> asyncio.Task[None] | None:
+def bind_discovery(st: ProxyState) -> registry.DiscoveryListener | None:
+    """Bind the discovery ROUTER (once) when the settings ask for one; raises zmq.ZMQError."""
     s = st.settings
-    if s.discovery_port is None:
-        return None
-    st.listener = registry.DiscoveryListener(st.table, s.discovery_host or "0.0.0.0", s.discovery_port)
-    return asyncio.create_task(st.listener.run(), name="discovery-listener")
+    if st.listener is None and s.discovery_port is not None:
+        st.listener = registry.DiscoveryListener(st.table, s.discovery_host or "0.0.0.0",
+                                                 s.discovery_port)
+    return st.listener
 
 
 def _add_info_routes(app: Quart) -> None:
@@ -591,6 +597,8 @@ def hypercorn_config(settings: Settings, sock: socket.socket | None = None) -> H
     cfg.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
     cfg.graceful_timeout = GRACEFUL_TIMEOUT_S
     cfg.accesslog = None
+    # Hypercorn's own errors go through the process's logging configuration, not a 2nd handler.
+    cfg.errorlog = logging.getLogger("hypercorn.error")
     return cfg
 
 
@@ -607,8 +615,13 @@ async def serve(app: Quart, settings: Settings, shutdown: asyncio.Event | None =
     if shutdown is None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    await hypercorn_serve(app, hypercorn_config(settings, sock),  # type: ignore[arg-type]
-                          shutdown_trigger=stop.wait)
+    # Bound before serving so that a taken discovery port is a plain error, not a lifespan one.
+    listener = bind_discovery(state_of(app))
+    try:
+            await hypercorn_serve(app, hypercorn_config(settings, sock), shutdown_trigger=stop.wait)
+    finally:
+        if listener is not None:
+            listener.close()
 
 
 def run(app: Quart, settings: Settings) -> int:

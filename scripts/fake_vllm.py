@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -39,10 +38,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import registry  # noqa: E402  (the repository root is put on the path just above)
+import registry
 
 logger = logging.getLogger("fake_vllm")
 
@@ -73,7 +73,7 @@ class Received:
     """One request as the fake saw it."""
 
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]  # case-insensitive, as HTTP headers are
     body: Any
     at: float
 
@@ -101,6 +101,7 @@ class FakeVLLM:
     name: str = "fake"
     received: list[Received] = field(default_factory=list)
     faults: Faults = field(default_factory=Faults)
+    returned_ktp: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
     _runner: web.AppRunner | None = None
@@ -161,7 +162,7 @@ class FakeVLLM:
             body: Any = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
             body = raw.decode("utf-8", "replace")
-        self.received.append(Received(request.path, dict(request.headers), body,
+        self.received.append(Received(request.path, CIMultiDict(request.headers), body,
                                       time.monotonic()))
         try:
             return await self._answer(request, body, chat)
@@ -180,6 +181,8 @@ class FakeVLLM:
         gen.request_id = ("chatcmpl-" if chat else "cmpl-") + (
             request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         ktp_out = self._kv_transfer(gen)
+        if ktp_out is not None:
+            self.returned_ktp.append(ktp_out)
         await asyncio.sleep(self.prefill_latency_s)
         if gen.stream:
             return await self._stream(request, gen, chat)
@@ -462,28 +465,33 @@ async def _main(ns: argparse.Namespace) -> None:
                     faults=Faults(status=ns.fail_status, die_after_chunks=ns.die_after_chunks))
     url = await fake.start(ns.host, ns.port)
     if ns.port_file:
-        Path(ns.port_file).write_text(str(fake.port))
+        Path(ns.port_file).write_text(str(fake.port))  # noqa: ASYNC240 - once, tiny
     logger.info("fake vLLM serving %s at %s", ns.model, url)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    async with contextlib.AsyncExitStack() as stack:
-        if ns.announce:
-            if not ns.role:
-                raise SystemExit("--announce needs --role P or D")
-            ann = announcement_for(fake, ns.role, ns.dialect, zmq_address=ns.zmq_address,
-                                   dp_size=ns.dp_size, tp_size=ns.tp_size,
-                                   transfer_mode=ns.transfer_mode)
-            announcer = registry.Announcer(ann, ns.announce, ns.announce_interval)
-            task = asyncio.create_task(announcer.run())
-            stack.callback(task.cancel)
+    task: asyncio.Task[None] | None = None
+    if ns.announce:
+        ann = announcement_for(fake, ns.role, ns.dialect, zmq_address=ns.zmq_address,
+                               dp_size=ns.dp_size, tp_size=ns.tp_size,
+                               transfer_mode=ns.transfer_mode)
+        task = asyncio.create_task(registry.Announcer(ann, ns.announce,
+                                                      ns.announce_interval).run())
+    try:
         await stop.wait()
-    await fake.stop()
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await fake.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.announce and not ns.role:
+        parser.error("--announce needs --role P or D")
     logging.basicConfig(level=os.environ.get("FAKE_VLLM_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s fake_vllm[%(process)d]: %(message)s")
     asyncio.run(_main(ns))

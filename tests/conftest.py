@@ -21,7 +21,7 @@ from fake_vllm import FakeVLLM
 POLL_INTERVAL_S = 0.02
 
 
-async def wait_for(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
+async def wait_for(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,  # noqa: ASYNC109
                    what: str = "condition") -> None:
     """Poll ``cond`` until it is true, or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
