@@ -126,13 +126,8 @@ async def nixl_flow(st: ProxyState, req: ClientRequest) -> Response:
                      req.request_id)
     cleanup = contextlib.AsyncExitStack()
     cleanup.enter_context(st.table.lease(d))
-    try:
-        resp = await relay.open_decode(st, f"{d.base_url}/{req.route}",
-                                       build_decode_body(req.body, ktp), headers)
-    except BaseException:
-        await cleanup.aclose()
-        raise
-    return await relay.relay_decode(resp, req, cleanup)
+    return await relay.decode_leg(st, req, f"{d.base_url}/{req.route}",
+                                  build_decode_body(req.body, ktp), headers, cleanup=cleanup)
 
 
 def create_app(settings: Settings) -> Quart:

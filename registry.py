@@ -387,10 +387,14 @@ class InstanceTable:
             raise NoInstanceError(role)
         if self.policy is Policy.LEAST_LOADED:
             inst = self.pick(role)
-            return inst, self._next(f"{role}@{inst.base_url}") % inst.dp_size
+            return inst, self.next_rank(inst)
         slots = [(e.instance, r) for r in range(max(e.instance.dp_size for e in entries))
                  for e in entries if r < e.instance.dp_size]
         return slots[self._next(f"{role}#slots") % len(slots)]
+
+    def next_rank(self, inst: Instance) -> int:
+        """The next data-parallel rank of ``inst`` in its own rotation."""
+        return self._next(f"{inst.role}@{inst.base_url}") % inst.dp_size
 
     @contextlib.contextmanager
     def lease(self, inst: Instance) -> Iterator[None]:

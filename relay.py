@@ -4,8 +4,8 @@
 - the Quart app skeleton (``create_base_app``) with the common routes (completions, chat,
   health, healthcheck, models, instances, metrics) and the serving hooks that own the pooled
   upstream session, the discovery listener and its task;
-- the upstream legs: ``call_prefill`` (JSON) and ``open_decode`` + ``relay_decode`` (relayed to
-  the client as it arrives);
+- the upstream legs: ``call_prefill`` (JSON) and ``decode_leg`` (relayed to the client as it
+  arrives), and ``Supervised`` for a prefill that runs beside the decode;
 - the one error mapping (PROTOCOL.md section 4, STYLE.md section 2.7);
 - request ids, Authorization, the prefill body rules of PROTOCOL.md section 2;
 - ``serve`` with hypercorn and a shutdown trigger.
@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import prometheus_client
@@ -42,6 +42,7 @@ import registry
 from registry import InstanceTable, NoInstanceError, Policy
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXTENSION_KEY: Final = "pd_proxy"
 ROUTES: Final = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
@@ -58,6 +59,8 @@ LISTEN_BACKLOG: Final = 1024
 MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
 MAX_REQUEST_ID_CHARS: Final = 256
 UPSTREAM_POOL_LIMIT: Final = 0  # no cap: vLLM queues requests itself
+#: After D's answer, how long a concurrent prefill may still take before it is cancelled.
+SUPERVISED_GRACE_S: Final = 2.0
 
 PREFILL_DROPPED_FIELDS: Final = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -398,9 +401,8 @@ async def call_prefill(st: ProxyState, url: str, body: Mapping[str, Any],
     return data
 
 
-async def open_decode(st: ProxyState, url: str, body: Mapping[str, Any],
-                      headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-    """POST the D leg; returns the open response once D answered a success status."""
+async def _open_decode(st: ProxyState, url: str, body: Mapping[str, Any],
+                       headers: Mapping[str, str]) -> aiohttp.ClientResponse:
     try:
         resp = await st.session.post(url, json=body, headers=headers, timeout=st.timeout())
     except UPSTREAM_ERRORS as exc:
@@ -408,41 +410,112 @@ async def open_decode(st: ProxyState, url: str, body: Mapping[str, Any],
     try:
         await raise_for_upstream(resp, "decode")
     except UPSTREAM_ERRORS as exc:
-        resp.release()
+        resp.close()
         raise map_error(exc, "decode") from exc
     except BaseException:
-        resp.release()
+        resp.close()
         raise
     return resp
 
 
-async def relay_decode(resp: aiohttp.ClientResponse, req: ClientRequest,
-                       cleanup: contextlib.AsyncExitStack) -> Response:
-    """Relay D's answer: SSE chunk by chunk for a streaming request, the JSON body otherwise.
+class Supervised:
+    """A leg running beside the decode (MoRIIO WRITE's prefill) that must never be lost.
 
-    ``cleanup`` is closed when the relay ends, however it ends (client gone included).
+    Until D produced output, its failure is the client's answer (see ``first_of``); after
+    that, ``finish`` logs and counts it. ``finish`` always cancels and awaits the task.
     """
+
+    def __init__(self, st: ProxyState, leg: str, request_id: str,
+                 coro: Awaitable[Any]) -> None:
+        self.task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self.st, self.leg, self.request_id = st, leg, request_id
+        self.reported = False
+        self.decode_output = False
+
+    async def first_of(self, work: Awaitable[T]) -> T:
+        """``work``'s result; if this leg fails first, cancel ``work`` and raise the failure."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            failure = self._failure()
+            if not task.done() and failure is not None:
+                self.reported = True
+                raise failure
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _failure(self) -> BaseException | None:
+        if not self.task.done() or self.task.cancelled():
+            return None
+        return self.task.exception()
+
+    async def finish(self) -> None:
+        """Let the leg end (briefly, once D answered), cancel it if it still runs, and log a
+        failure nobody saw."""
+        if not self.task.done() and self.decode_output:
+            await asyncio.wait({self.task}, timeout=SUPERVISED_GRACE_S)
+        self.task.cancel()
+        result = (await asyncio.gather(self.task, return_exceptions=True))[0]
+        if isinstance(result, Exception) and not self.reported:
+            logger.warning("[%s] %s failed after decode produced output: %s", self.request_id,
+                           self.leg, result)
+            self.st.metrics.leg_failures.labels(self.leg, "after_decode_output").inc()
+
+
+async def _guarded(guard: Supervised | None, work: Awaitable[T]) -> T:
+    return await (guard.first_of(work) if guard is not None else work)
+
+
+async def _read_first(resp: aiohttp.ClientResponse, stream: bool) -> bytes:
+    """The first SSE bytes, or the whole JSON body."""
+    try:
+        return await (resp.content.readany() if stream else resp.read())
+    except UPSTREAM_ERRORS as exc:
+        raise map_error(exc, "decode") from exc
+
+
+async def decode_leg(st: ProxyState, req: ClientRequest, url: str, body: Mapping[str, Any],
+                     headers: Mapping[str, str], *, cleanup: contextlib.AsyncExitStack,
+                     guard: Supervised | None = None) -> Response:
+    """Send D and relay its answer: SSE chunk by chunk when streaming, else the JSON body.
+
+    The status is decided from D's status before any byte goes out: an error status becomes
+    UpstreamHTTPError. ``cleanup`` is closed when the relay ends, however it ends (client gone
+    included). With a ``guard``, a failure of that leg before D's first bytes is raised instead.
+    """
+    try:
+        resp = await _guarded(guard, _open_decode(st, url, body, headers))
+        try:
+            first = await _guarded(guard, _read_first(resp, req.stream))
+        except BaseException:
+            resp.close()
+            raise
+    except BaseException:
+        await cleanup.aclose()
+        raise
+    if guard is not None:
+        guard.decode_output = True
     ctype = resp.headers.get("Content-Type", "application/json")
-    headers = {"X-Request-Id": req.request_id}
+    out_headers = {"X-Request-Id": req.request_id}
     if not req.stream:
-        async with cleanup:
-            try:
-                body = await resp.read()
-            except UPSTREAM_ERRORS as exc:
-                raise map_error(exc, "decode") from exc
-            finally:
-                resp.close()
-        return Response(body, status=resp.status, content_type=ctype, headers=headers)
-    out = Response(_relay_chunks(resp, req.request_id, cleanup), status=resp.status,
-                   content_type=ctype, headers=headers)
+        resp.close()
+        await cleanup.aclose()
+        return Response(first, status=resp.status, content_type=ctype, headers=out_headers)
+    out = Response(_relay_chunks(resp, first, req.request_id, cleanup), status=resp.status,
+                   content_type=ctype, headers=out_headers)
     out.timeout = None  # a long generation is not a hung response; idle reads are timed instead
     return out
 
 
-async def _relay_chunks(resp: aiohttp.ClientResponse, request_id: str,
+async def _relay_chunks(resp: aiohttp.ClientResponse, first: bytes, request_id: str,
                         cleanup: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
     async with cleanup:
         try:
+            if first:
+                yield first
             async for chunk in resp.content.iter_any():
                 yield chunk
         except UPSTREAM_ERRORS as exc:

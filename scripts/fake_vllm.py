@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -99,11 +100,16 @@ class FakeVLLM:
     token_latency_s: float = 0.0
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     name: str = "fake"
+    zmq_address: str = ""  # MoRIIO side channel; a loopback default is made at start()
+    transfer_mode: str | None = None  # MoRIIO: READ or WRITE
+    dp_size: int = 1
+    tp_size: int = 1
     received: list[Received] = field(default_factory=list)
     faults: Faults = field(default_factory=Faults)
     returned_ktp: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
+    completed_at: list[float] = field(default_factory=list)
     _runner: web.AppRunner | None = None
     base_url: str = ""
     port: int = 0
@@ -127,6 +133,8 @@ class FakeVLLM:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.base_url = f"http://{host}:{self.port}/v1"
+        self.zmq_address = self.zmq_address or (
+            f"host:{host},handshake:{20000 + self.port % 20000},notify:{40000 + self.port % 20000}")
         return self.base_url
 
     async def stop(self) -> None:
@@ -175,21 +183,30 @@ class FakeVLLM:
     async def _answer(self, request: web.Request, body: Any, chat: bool) -> web.StreamResponse:
         if self.faults.hang:
             await asyncio.Event().wait()
+        await asyncio.sleep(self.prefill_latency_s)
         if self.faults.status is not None:
             raise FakeError(self.faults.status, f"injected fault {self.faults.status}")
         gen = self._validate(body, chat)
         gen.request_id = ("chatcmpl-" if chat else "cmpl-") + (
             request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        if self.connector == "moriio" and gen.ktp:
+            problem = _check_moriio_request_id(request.headers.get("X-Request-Id", ""),
+                                               gen.ktp, self.zmq_address)
+            if problem:
+                raise FakeError(400, f"request id: {problem}")
         ktp_out = self._kv_transfer(gen)
         if ktp_out is not None:
             self.returned_ktp.append(ktp_out)
-        await asyncio.sleep(self.prefill_latency_s)
         if gen.stream:
             return await self._stream(request, gen, chat)
         if self.faults.die_after_chunks is not None:
             _abort(request)
-        self.completed += 1
+        self._done()
         return web.json_response(gen.full_answer(chat, ktp_out))
+
+    def _done(self) -> None:
+        self.completed += 1
+        self.completed_at.append(time.monotonic())
 
     # ---------------------------------------------------------------- validation
 
@@ -222,8 +239,8 @@ class FakeVLLM:
     def _kv_transfer(self, gen: Generation) -> dict[str, Any] | None:
         """As P: the params to return. As D: check the params received."""
         if gen.ktp.get("do_remote_prefill"):
-            problem = (_check_nixl_decode if self.connector == "nixl" else _check_moriio_decode)(
-                gen.ktp, gen.prompt_tokens)
+            problem = (_check_nixl_decode(gen.ktp, gen.prompt_tokens) if self.connector == "nixl"
+                       else _check_moriio_decode(gen.ktp, self.transfer_mode))
             if problem:
                 raise FakeError(400, f"kv_transfer_params: {problem}")
         if not gen.ktp.get("do_remote_decode") or self.faults.no_kv_params:
@@ -267,7 +284,7 @@ class FakeVLLM:
             sent += 1
             await asyncio.sleep(self.token_latency_s)
         await resp.write_eof()
-        self.completed += 1
+        self._done()
         return resp
 
 
@@ -333,12 +350,40 @@ def _check_nixl_decode(ktp: Mapping[str, Any], prompt_tokens: int) -> str | None
     return None
 
 
-def _check_moriio_decode(ktp: Mapping[str, Any], prompt_tokens: int) -> str | None:
-    if not isinstance(ktp.get("transfer_id"), str) or not ktp["transfer_id"]:
+def _check_moriio_decode(ktp: Mapping[str, Any], mode: str | None) -> str | None:
+    if not isinstance(ktp.get("transfer_id"), str) or not ktp["transfer_id"].startswith("tx-"):
         return "transfer_id missing"
-    for name in ("remote_host", "remote_handshake_port", "remote_notify_port", "tp_size"):
-        if name not in ktp:
+    for name in ("remote_host", "remote_handshake_port", "remote_notify_port", "tp_size",
+                 "remote_dp_size", "remote_tp_size"):
+        if ktp.get(name) is None:
             return f"{name} missing"
+    if mode != "WRITE":
+        if not isinstance(ktp.get("remote_engine_id"), str):
+            return "READ mode needs remote_engine_id"
+        if not ktp.get("remote_block_ids"):
+            return "READ mode needs non-empty remote_block_ids"
+    return None
+
+
+MORIIO_REQUEST_ID = re.compile(r"___prefill_addr_(.+)___decode_addr_(.+)_([0-9a-f]{32})")
+
+
+def _check_moriio_request_id(rid: str, ktp: Mapping[str, Any], own: str) -> str | None:
+    """The connector parses peers out of the request id: check it names this instance."""
+    match = MORIIO_REQUEST_ID.fullmatch(rid)
+    if match is None:
+        return f"{rid!r} is not ___prefill_addr_P___decode_addr_D_<32 hex>"
+    prefill_addr, decode_addr, _ = match.groups()
+    mine, peer = ((prefill_addr, decode_addr) if ktp.get("do_remote_decode")
+                  else (decode_addr, prefill_addr))
+    if mine != own:
+        return f"names {mine!r} for this instance, which is {own!r}"
+    parts = dict(p.split(":", 1) for p in peer.split(",") if ":" in p)
+    expected = {"remote_host": parts.get("host"), "remote_handshake_port": parts.get(
+        "handshake"), "remote_notify_port": parts.get("notify")}
+    for name, value in expected.items():
+        if name in ktp and str(ktp[name]) != value:
+            return f"{name}={ktp[name]!r} but the request id's peer has {value!r}"
     return None
 
 
@@ -447,22 +492,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def announcement_for(fake: FakeVLLM, role: str, dialect: str, *, zmq_address: str | None = None,
-                     dp_size: int = 1, tp_size: int = 1,
-                     transfer_mode: str | None = None) -> registry.Announcement:
-    """What this fake announces (its zmq_address defaults to loopback ports of its own)."""
-    zmq = zmq_address or (f"host:127.0.0.1,handshake:{20000 + fake.port % 20000},"
-                          f"notify:{40000 + fake.port % 20000}")
+def announcement_for(fake: FakeVLLM, role: str, dialect: str) -> registry.Announcement:
+    """What this fake announces, from its own fields."""
     return registry.Announcement(role=role, base_url=fake.base_url,
-                                 dialect=registry.Dialect(dialect), zmq_address=zmq,
-                                 dp_size=dp_size, tp_size=tp_size, transfer_mode=transfer_mode)
+                                 dialect=registry.Dialect(dialect),
+                                 zmq_address=fake.zmq_address, dp_size=fake.dp_size,
+                                 tp_size=fake.tp_size, transfer_mode=fake.transfer_mode)
 
 
 async def _main(ns: argparse.Namespace) -> None:
     fake = FakeVLLM(model=ns.model, connector=ns.connector, max_model_len=ns.max_model_len,
                     prefill_latency_s=ns.prefill_latency_ms / 1000,
                     token_latency_s=ns.token_latency_ms / 1000,
-                    faults=Faults(status=ns.fail_status, die_after_chunks=ns.die_after_chunks))
+                    faults=Faults(status=ns.fail_status, die_after_chunks=ns.die_after_chunks),
+                    zmq_address=ns.zmq_address or "", transfer_mode=ns.transfer_mode,
+                    dp_size=ns.dp_size, tp_size=ns.tp_size)
     url = await fake.start(ns.host, ns.port)
     if ns.port_file:
         Path(ns.port_file).write_text(str(fake.port))  # noqa: ASYNC240 - once, tiny
@@ -472,9 +516,7 @@ async def _main(ns: argparse.Namespace) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     task: asyncio.Task[None] | None = None
     if ns.announce:
-        ann = announcement_for(fake, ns.role, ns.dialect, zmq_address=ns.zmq_address,
-                               dp_size=ns.dp_size, tp_size=ns.tp_size,
-                               transfer_mode=ns.transfer_mode)
+        ann = announcement_for(fake, ns.role, ns.dialect)
         task = asyncio.create_task(registry.Announcer(ann, ns.announce,
                                                       ns.announce_interval).run())
     try:

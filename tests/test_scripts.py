@@ -51,7 +51,7 @@ def test_announce_rejects_a_bad_address(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["nixl"])
+@pytest.mark.parametrize("mode", ["nixl", "moriio", "moriio-write"])
 async def test_demo_serves_and_stops_cleanly(mode: str, client: aiohttp.ClientSession) -> None:
     sock = bound_socket()
     port = sock.getsockname()[1]
