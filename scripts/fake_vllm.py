@@ -256,7 +256,8 @@ class FakeVLLM:
             "remote_block_ids": [_block_ids(gen.prompt_tokens)],
             "remote_engine_id": self.engine_id, "remote_request_id": gen.request_id,
             "remote_host": "127.0.0.1", "remote_port": 5600 + self.port % 1000,
-            "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": gen.prompt_tokens,
+            "tp_size": self.tp_size, "dcp_size": 1, "pp_size": 1,
+            "remote_num_tokens": gen.prompt_tokens,
             "remote_blocks_expiry_time": time.time() + NIXL_BLOCKS_EXPIRY_S,
             "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
         }
@@ -267,7 +268,7 @@ class FakeVLLM:
             "remote_block_ids": _block_ids(gen.prompt_tokens),
             "remote_engine_id": self.engine_id, "remote_host": "127.0.0.1",
             "remote_port": self.port, "transfer_id": gen.ktp.get("transfer_id"),
-            "tp_size": 1, "remote_num_tokens": gen.prompt_tokens,
+            "tp_size": self.tp_size, "remote_num_tokens": gen.prompt_tokens,
         }
 
     # ---------------------------------------------------------------- streaming
