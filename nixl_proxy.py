@@ -121,6 +121,7 @@ async def nixl_flow(st: ProxyState, req: ClientRequest) -> Response:
         answer = await relay.call_prefill(st, f"{p.base_url}/{req.route}",
                                           build_prefill_body(req.body), headers)
     ktp = decode_params_from(answer)
+    logger.debug("[%s] prefill answered; sending decode", req.request_id)
     if ktp is None:
         logger.debug("[%s] prefill returned no kv_transfer_params; decode recomputes",
                      req.request_id)

@@ -258,6 +258,24 @@ def check_route_body(route: str, body: Mapping[str, Any]) -> None:
         # One set of kv_transfer_params cannot serve several prompts (vLLM PRs #50559, #54707).
         raise ProxyError(400, "completions with several prompts are not supported through "
                          "disaggregated prefill; send one request per prompt")
+    check_min_tokens(route, body)
+
+
+def check_min_tokens(route: str, body: Mapping[str, Any]) -> None:
+    """vLLM's ``min_tokens <= max_tokens`` rule, checked before P is called.
+
+    P never sees min_tokens (PROTOCOL.md section 2), so only D would reject it, after P has
+    prefilled and while P holds the KV. Worse, vLLM 0.32's D answered 400 yet still pulled
+    that KV and stalled later requests until P's lease expired (seen here with real vLLM).
+    """
+    budget = body.get("max_completion_tokens") if route == "chat/completions" else None
+    budget = budget if budget is not None else body.get("max_tokens")
+    min_tokens = body.get("min_tokens")
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
+        return
+    if isinstance(budget, int) and min_tokens > budget:
+        raise ProxyError(400, f"min_tokens must be less than or equal to max_tokens={budget}, "
+                         f"got {min_tokens}.")
 
 
 def request_id_from(given: str | None) -> str:

@@ -340,6 +340,13 @@ async def test_no_max_tokens_and_min_tokens(proxy: RunningProxy, zctx: zmq.async
     assert status == 200
     assert "min_tokens" not in p.bodies()[1] and p.bodies()[1]["max_tokens"] == 1
     assert d.bodies()[1]["min_tokens"] == 5 and d.bodies()[1]["max_tokens"] == 6
+    status, answer = await post(client, proxy, {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}], "max_tokens": 50, "max_completion_tokens": 3,
+        "min_tokens": 5}, "chat/completions")
+    assert status == 400
+    assert answer["error"]["message"] == ("min_tokens must be less than or equal to "
+                                          "max_tokens=3, got 5.")
+    assert len(p.received) == 2, "refused before P prefilled anything"
 
 
 async def test_silent_instance_expires(zctx: zmq.asyncio.Context, fakes: list[FakeVLLM],

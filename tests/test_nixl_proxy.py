@@ -243,6 +243,8 @@ async def test_client_disconnect_during_prefill_cancels_prefill(
     (b'{"prompt": "x", "max_tokens": "5"}', "'max_tokens' must be an integer"),
     (b'{"prompt": ["a", "b"]}', "several prompts"),
     (b'{"prompt": [[1, 2], [3]]}', "several prompts"),
+    (b'{"prompt": "x", "max_tokens": 4, "min_tokens": 8}',
+     "min_tokens must be less than or equal to max_tokens=4, got 8."),
 ])
 async def test_bad_bodies_get_400(proxy: RunningProxy, fake_p: FakeVLLM, body: bytes,
                                   message: str, client: aiohttp.ClientSession) -> None:

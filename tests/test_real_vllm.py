@@ -309,21 +309,30 @@ async def test_budget_min_tokens_and_stream_options_reach_decode(
 
 async def test_decode_rejection_reaches_client(proxy: RunningProxy, servers: Servers,
                                                client: aiohttp.ClientSession) -> None:
-    """Requests only D can reject (P's copy is valid): D's 400 reaches the client as is."""
-    # vLLM 0.32 caps a max_tokens beyond the model length instead of rejecting it (seen here),
-    # so the D-only rejections used are min_tokens above max_tokens, and stream_options
-    # without streaming; both are removed from P's copy.
-    for extra in ({"max_tokens": 4, "min_tokens": 8},
-                  {"stream_options": {"include_usage": True}}):
-        body = completion(PROMPT, **extra)
-        status, via = await post(client, proxy.url, body)
-        direct_status, direct = await post(client, servers.d.url, body)
-        assert (status, direct_status) == (400, 400), (via, direct)
+    """A request only D can reject (P's copy is valid): D's 400 reaches the client as is."""
+    # vLLM 0.32 caps a max_tokens beyond the model length instead of rejecting it (seen here);
+    # stream_options without streaming is removed from P's copy, so only D refuses it.
+    body = completion(PROMPT, stream_options={"include_usage": True})
+    status, via = await post(client, proxy.url, body)
+    direct_status, direct = await post(client, servers.d.url, body)
+    assert (status, direct_status) == (400, 400), (via, direct)
+    assert via == direct
+
+
+async def test_min_tokens_above_budget_is_refused_before_prefill(
+        proxy: RunningProxy, servers: Servers, client: aiohttp.ClientSession) -> None:
+    """Sent on, P would prefill and D would answer 400 yet pull the KV and stall the next
+    requests until P's lease expired (vLLM 0.32, seen here): the proxy refuses it first."""
+    for stream in (False, True):
+        status, via = await post(client, proxy.url, completion(PROMPT, max_tokens=4,
+                                                               min_tokens=8, stream=stream))
+        _, direct = await post(client, servers.d.url, completion(PROMPT, max_tokens=4,
+                                                                 min_tokens=8))
+        assert status == 400
         assert via["error"]["message"] == direct["error"]["message"]
-        assert via["error"]["code"] == 400
-    status, via = await post(client, proxy.url, completion(PROMPT, max_tokens=4, min_tokens=8,
-                                                            stream=True))
-    assert status == 400, via
+    started = time.monotonic()
+    await answer(client, proxy.url, completion(SHORT_PROMPT + "after", max_tokens=4))
+    assert time.monotonic() - started < 10, "D is not stalled"
 
 
 async def test_openai_sdk(proxy: RunningProxy, servers: Servers) -> None:
