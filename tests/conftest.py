@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
+from aiohttp import web
 from quart import Quart
 
 import relay
@@ -79,6 +81,36 @@ async def serve_proxy(app: Quart, settings: relay.Settings) -> AsyncIterator[Run
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+async def post(client: aiohttp.ClientSession, base_url: str, body: Any,
+               route: str = "completions", **kw: Any) -> tuple[int, Any, Any]:
+    """POST a body (JSON-encoded unless bytes/str) to ``base_url/v1/route``.
+
+    Returns the status, the JSON answer (or the text when it is not JSON) and the headers.
+    """
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"Content-Type": "application/json", **kw.pop("headers", {})}
+    async with client.post(f"{base_url}/v1/{route}", data=data, headers=headers, **kw) as r:
+        raw = await r.read()
+        try:
+            parsed: Any = json.loads(raw)
+        except ValueError:
+            parsed = raw.decode()
+        return r.status, parsed, r.headers
+
+
+@asynccontextmanager
+async def serve_aiohttp(app: web.Application) -> AsyncIterator[int]:
+    """Serve an aiohttp app on a free loopback port; yields the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import zmq.asyncio
 import moriio_proxy
 import registry
 import relay
-from conftest import RunningProxy, serve_proxy, wait_for
+from conftest import RunningProxy, post, serve_proxy, wait_for
 from fake_vllm import FakeVLLM, announcement_for
 from registry import Instance
 
@@ -73,16 +73,6 @@ async def deploy(px: RunningProxy, zctx: zmq.asyncio.Context, fakes: list[FakeVL
     return p, d
 
 
-async def post(client: aiohttp.ClientSession, px: RunningProxy, body: Any,
-               route: str = "completions") -> tuple[int, Any]:
-    async with client.post(f"{px.url}/v1/{route}", json=body) as r:
-        raw = await r.read()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw.decode()
-
-
 def inst(port: int, role: str, dp: int = 1, tp: int = 1) -> Instance:
     return Instance(role, f"http://10.0.0.{port % 250}:{port}/v1",
                     f"host:10.0.0.{port % 250},handshake:{port + 1},notify:{port + 2}", dp, tp)
@@ -138,7 +128,7 @@ async def test_read_mode_prefill_then_decode(proxy: RunningProxy, zctx: zmq.asyn
                                              fakes: list[FakeVLLM],
                                              client: aiohttp.ClientSession) -> None:
     p, d = await deploy(proxy, zctx, fakes, "READ", p_kw={"prefill_latency_s": 0.3, "tp": 2})
-    status, answer = await post(client, proxy, {"model": MODEL, "prompt": "a b c",
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "a b c",
                                                 "max_tokens": 5})
     assert status == 200, answer
     assert d.received[0].at >= p.completed_at[0], "READ: D only after P answered"
@@ -160,7 +150,7 @@ async def test_write_mode_sends_both_at_once(proxy: RunningProxy, zctx: zmq.asyn
                                              fakes: list[FakeVLLM],
                                              client: aiohttp.ClientSession) -> None:
     p, d = await deploy(proxy, zctx, fakes, "WRITE", p_kw={"prefill_latency_s": 0.5})
-    status, answer = await post(client, proxy, {"model": MODEL, "prompt": "a b c",
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "a b c",
                                                 "max_tokens": 4, "stream": True})
     assert status == 200
     assert d.received[0].at < p.completed_at[0], "WRITE: D starts before P answered"
@@ -177,7 +167,7 @@ async def test_write_mode_prefill_failure_reaches_client(
     # D waits for KV that never comes; P fails first.
     p, d = await deploy(proxy, zctx, fakes, "WRITE", d_kw={"prefill_latency_s": 3})
     p.faults.status = 503
-    status, answer = await post(client, proxy, {"model": MODEL, "prompt": "x",
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x",
                                                 "max_tokens": 4, "stream": stream})
     assert status == 503
     assert answer["error"]["message"] == "injected fault 503"
@@ -190,7 +180,7 @@ async def test_write_mode_late_prefill_failure_is_logged_and_counted(
     p, _ = await deploy(proxy, zctx, fakes, "WRITE", p_kw={"prefill_latency_s": 0.4},
                         d_kw={"token_latency_s": 0.1})
     p.faults.status = 500
-    status, answer = await post(client, proxy, {"model": MODEL, "prompt": "x",
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x",
                                                 "max_tokens": 8, "stream": True})
     assert status == 200 and answer.rstrip().endswith("data: [DONE]")
     async with client.get(f"{proxy.url}/metrics") as r:
@@ -212,7 +202,7 @@ async def test_dp_slots_are_covered_evenly(proxy: RunningProxy, zctx: zmq.asynci
     await announce(proxy, zctx, d, "D")
     n = 8 * 5 + 3
     for _ in range(n):
-        assert (await post(client, proxy, {"model": MODEL, "prompt": "x",
+        assert (await post(client, proxy.url, {"model": MODEL, "prompt": "x",
                                            "max_tokens": 1}))[0] == 200
     slots = Counter((p.name, r.headers["X-data-parallel-rank"]) for p in ps for r in p.received)
     assert len(slots) == 8, "every (instance, rank) slot gets traffic"
@@ -231,7 +221,7 @@ async def test_decode_rank(proxy: RunningProxy, zctx: zmq.asyncio.Context,
                            d_dp: int, pinned: bool) -> None:
     p, d = await deploy(proxy, zctx, fakes, p_kw={"dp": 2}, d_kw={"dp": d_dp})
     for _ in range(6):
-        assert (await post(client, proxy, {"model": MODEL, "prompt": "x",
+        assert (await post(client, proxy.url, {"model": MODEL, "prompt": "x",
                                            "max_tokens": 1}))[0] == 200
     p_ranks = [r.headers["X-data-parallel-rank"] for r in p.received]
     d_ranks = [r.headers["X-data-parallel-rank"] for r in d.received]
@@ -257,9 +247,9 @@ async def test_transfer_mode_mismatch_is_refused_not_fatal(
     assert refused["state"] == "refused" and "WRITE" in refused["refused_reason"]
     assert any(rec.levelname == "ERROR" and "refusing instance" in rec.getMessage()
                for rec in caplog.records)
-    assert (await post(client, proxy, {"model": MODEL, "prompt": "x"}))[0] == 503
+    assert (await post(client, proxy.url, {"model": MODEL, "prompt": "x"}))[0] == 503
     await announce(proxy, zctx, right, "D")
-    assert (await post(client, proxy, {"model": MODEL, "prompt": "x"}))[0] == 200
+    assert (await post(client, proxy.url, {"model": MODEL, "prompt": "x"}))[0] == 200
     assert wrong.received == []
 
 
@@ -282,7 +272,7 @@ async def test_old_dialect_completions_address_still_routes_chat(
         sock.close(linger=1000)
     await wait_for(lambda: proxy.state.table.count("D") == 1 and
                    proxy.state.table.count("P") == 1, what="old-dialect registration")
-    status, answer = await post(client, proxy, {
+    status, answer, _ = await post(client, proxy.url, {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         "chat/completions")
     assert status == 200, answer
@@ -311,7 +301,7 @@ async def test_client_gets_exactly_the_tokens_it_asked_for(
     _, d = await deploy(proxy, zctx, fakes, mode)
     full = {"model": MODEL, **body, "stream": stream,
             **({"stream_options": {"include_usage": True}} if stream else {})}
-    status, answer = await post(client, proxy, full, route)
+    status, answer, _ = await post(client, proxy.url, full, route)
     assert status == 200, answer
     if stream:
         events = [json.loads(line[6:]) for line in answer.split("\n")
@@ -331,16 +321,16 @@ async def test_no_max_tokens_and_min_tokens(proxy: RunningProxy, zctx: zmq.async
                                             fakes: list[FakeVLLM],
                                             client: aiohttp.ClientSession) -> None:
     p, d = await deploy(proxy, zctx, fakes)
-    status, answer = await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     assert status == 200 and answer["usage"]["completion_tokens"] == 16
     assert "max_tokens" not in d.bodies()[0]
-    status, _ = await post(client, proxy, {"model": MODEL, "messages": [
+    status, _, _ = await post(client, proxy.url, {"model": MODEL, "messages": [
         {"role": "user", "content": "x"}], "max_tokens": 6, "min_tokens": 5},
         "chat/completions")
     assert status == 200
     assert "min_tokens" not in p.bodies()[1] and p.bodies()[1]["max_tokens"] == 1
     assert d.bodies()[1]["min_tokens"] == 5 and d.bodies()[1]["max_tokens"] == 6
-    status, answer = await post(client, proxy, {"model": MODEL, "messages": [
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "messages": [
         {"role": "user", "content": "x"}], "max_tokens": 50, "max_completion_tokens": 3,
         "min_tokens": 5}, "chat/completions")
     assert status == 400
@@ -354,9 +344,9 @@ async def test_silent_instance_expires(zctx: zmq.asyncio.Context, fakes: list[Fa
     s = moriio_settings("--instance-ttl", "0.4")
     async with serve_proxy(moriio_proxy.create_app(s), s) as px:
         await deploy(px, zctx, fakes)
-        assert (await post(client, px, {"model": MODEL, "prompt": "x"}))[0] == 200
+        assert (await post(client, px.url, {"model": MODEL, "prompt": "x"}))[0] == 200
         await wait_for(lambda: px.state.table.snapshot() == [], timeout=5, what="expiry")
-        status, answer = await post(client, px, {"model": MODEL, "prompt": "x"})
+        status, answer, _ = await post(client, px.url, {"model": MODEL, "prompt": "x"})
         assert status == 503 and "no prefill instance" in answer["error"]["message"]
 
 

@@ -7,17 +7,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
 import zmq.asyncio
+from aiohttp import web
 
 import nixl_proxy
 import registry
 import relay
-from conftest import RunningProxy, serve_proxy, wait_for
+from conftest import RunningProxy, post, serve_aiohttp, serve_proxy, wait_for
 from fake_vllm import FakeVLLM
 
 MODEL = "fake-model"
@@ -40,18 +40,6 @@ async def proxy(fake_p: FakeVLLM, fake_d: FakeVLLM) -> AsyncIterator[RunningProx
         yield px
 
 
-async def post(client: aiohttp.ClientSession, px: RunningProxy, body: Any,
-               route: str = "completions", **kw: Any) -> tuple[int, Any, aiohttp.ClientResponse]:
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    async with client.post(f"{px.url}/v1/{route}", data=data, **kw) as r:
-        raw = await r.read()
-        try:
-            parsed: Any = json.loads(raw)
-        except ValueError:
-            parsed = raw.decode()
-        return r.status, parsed, r
-
-
 def sse_events(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
 
@@ -64,7 +52,7 @@ async def test_prefill_and_decode_bodies(proxy: RunningProxy, fake_p: FakeVLLM,
     body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 7, "stream": True,
             "stream_options": {"include_usage": True}, "min_tokens": 3, "temperature": 0.0,
             "seed": 4, "user": "u1", "kv_transfer_params": {"junk": 1}}
-    status, text, _ = await post(client, proxy, body)
+    status, text, _ = await post(client, proxy.url, body)
     assert status == 200
     p_body, = fake_p.bodies()
     assert p_body == {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 1,
@@ -82,7 +70,7 @@ async def test_chat_max_completion_tokens_and_no_min_tokens_added(
         client: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}],
             "max_completion_tokens": 5}
-    status, answer, _ = await post(client, proxy, body, "chat/completions")
+    status, answer, _ = await post(client, proxy.url, body, "chat/completions")
     assert status == 200
     assert answer["usage"]["completion_tokens"] == 5
     assert fake_p.received[0].path == fake_d.received[0].path == "/v1/chat/completions"
@@ -98,7 +86,7 @@ async def test_min_tokens_kept_for_decode_only(proxy: RunningProxy, fake_p: Fake
                                                client: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
             "min_tokens": 4, "min_completion_tokens": 4}
-    status, _, _ = await post(client, proxy, body, "chat/completions")
+    status, _, _ = await post(client, proxy.url, body, "chat/completions")
     assert status == 200, "a P that got min_tokens=4 > max_tokens=1 would answer 400"
     assert "min_tokens" not in fake_p.bodies()[0]
     assert "min_completion_tokens" not in fake_p.bodies()[0]
@@ -109,7 +97,7 @@ async def test_min_tokens_kept_for_decode_only(proxy: RunningProxy, fake_p: Fake
 async def test_client_body_without_max_tokens(proxy: RunningProxy, fake_p: FakeVLLM,
                                               fake_d: FakeVLLM,
                                               client: aiohttp.ClientSession) -> None:
-    status, answer, _ = await post(client, proxy, {"model": MODEL, "prompt": [1, 2, 3]})
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": [1, 2, 3]})
     assert status == 200
     assert answer["usage"]["completion_tokens"] == 16  # vLLM's completions default
     assert "max_tokens" not in fake_d.bodies()[0]
@@ -120,7 +108,7 @@ async def test_kv_transfer_params_are_forwarded_verbatim(
         proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
         client: aiohttp.ClientSession) -> None:
     for prompt in ("one", "two three", [5, 6, 7, 8]):
-        status, _, _ = await post(client, proxy, {"model": MODEL, "prompt": prompt,
+        status, _, _ = await post(client, proxy.url, {"model": MODEL, "prompt": prompt,
                                                   "max_tokens": 2})
         assert status == 200
     assert [b["kv_transfer_params"] for b in fake_d.bodies()] == fake_p.returned_ktp
@@ -132,7 +120,7 @@ async def test_no_kv_params_from_prefill_means_decode_recomputes(
         client: aiohttp.ClientSession) -> None:
     fake_p.faults.no_kv_params = True
     body = {"model": MODEL, "prompt": "recompute me", "max_tokens": 3}
-    status, answer, _ = await post(client, proxy, body)
+    status, answer, _ = await post(client, proxy.url, body)
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
     assert fake_d.bodies() == [body]
 
@@ -140,7 +128,7 @@ async def test_no_kv_params_from_prefill_means_decode_recomputes(
 async def test_decode_output_matches_a_direct_request(
         proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "prompt": "same prompt", "max_tokens": 6}
-    _, via_proxy, _ = await post(client, proxy, body)
+    _, via_proxy, _ = await post(client, proxy.url, body)
     async with client.post(f"{fake_d.base_url}/completions", json=body) as r:
         direct = await r.json()
     assert via_proxy["choices"][0]["text"] == direct["choices"][0]["text"]
@@ -170,7 +158,7 @@ async def test_sse_is_relayed_chunk_by_chunk(proxy: RunningProxy, fake_d: FakeVL
 async def test_decode_error_status_reaches_client_before_streaming(
         proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "prompt": "x" * 10, "max_tokens": 5000, "stream": True}
-    status, answer, r = await post(client, proxy, body)
+    status, answer, r = await post(client, proxy.url, body)
     assert status == 400
     assert r.headers["Content-Type"].startswith("application/json")
     assert "maximum context length" in answer["error"]["message"]
@@ -180,7 +168,7 @@ async def test_decode_error_status_reaches_client_before_streaming(
 async def test_prefill_error_reaches_client_and_decode_is_not_called(
         proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
         client: aiohttp.ClientSession) -> None:
-    status, answer, _ = await post(client, proxy, {"model": "other", "prompt": "x"})
+    status, answer, _ = await post(client, proxy.url, {"model": "other", "prompt": "x"})
     assert status == 404
     assert answer["error"]["type"] == "NotFoundError"
     assert fake_d.received == []
@@ -189,7 +177,7 @@ async def test_prefill_error_reaches_client_and_decode_is_not_called(
 async def test_decode_dies_mid_stream_gives_error_event(
         proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
     fake_d.faults.die_after_chunks = 2
-    status, text, _ = await post(client, proxy, {"model": MODEL, "prompt": "x",
+    status, text, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x",
                                                  "max_tokens": 5, "stream": True})
     assert status == 200
     events = sse_events(text)
@@ -201,7 +189,7 @@ async def test_decode_dies_mid_stream_gives_error_event(
 async def test_decode_dies_before_json_answer_gives_502(
         proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
     fake_d.faults.die_after_chunks = 0
-    status, answer, _ = await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     assert status == 502
     assert answer["error"]["type"] == "BadGatewayError"
 
@@ -222,7 +210,7 @@ async def test_client_disconnect_during_prefill_cancels_prefill(
         proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
         client: aiohttp.ClientSession) -> None:
     fake_p.prefill_latency_s = 5
-    task = asyncio.create_task(post(client, proxy, {"model": MODEL, "prompt": "x"}))
+    task = asyncio.create_task(post(client, proxy.url, {"model": MODEL, "prompt": "x"}))
     await wait_for(lambda: len(fake_p.received) == 1, what="P to get the request")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -248,7 +236,7 @@ async def test_client_disconnect_during_prefill_cancels_prefill(
 ])
 async def test_bad_bodies_get_400(proxy: RunningProxy, fake_p: FakeVLLM, body: bytes,
                                   message: str, client: aiohttp.ClientSession) -> None:
-    status, answer, _ = await post(client, proxy, body)
+    status, answer, _ = await post(client, proxy.url, body)
     assert status == 400
     assert message in answer["error"]["message"]
     assert answer["error"]["type"] == "BadRequestError" and answer["error"]["code"] == 400
@@ -259,7 +247,7 @@ async def test_no_instances_gives_503(client: aiohttp.ClientSession) -> None:
     s = nixl_proxy.parse_args(["--discovery-port", "1"])
     s = relay.Settings(**{**s.__dict__, "discovery_port": None})
     async with serve_proxy(nixl_proxy.create_app(s), s) as px:
-        status, answer, _ = await post(client, px, {"model": MODEL, "prompt": "x"})
+        status, answer, _ = await post(client, px.url, {"model": MODEL, "prompt": "x"})
         assert status == 503
         assert answer["error"]["message"] == "no prefill instance is available"
         async with client.get(f"{px.url}/health") as r:
@@ -274,7 +262,7 @@ async def test_unreachable_decode_gives_502(fake_p: FakeVLLM,
     await dead.stop()
     s = settings_for(fake_p, dead)
     async with serve_proxy(nixl_proxy.create_app(s), s) as px:
-        status, answer, _ = await post(client, px, {"model": MODEL, "prompt": "x"})
+        status, answer, _ = await post(client, px.url, {"model": MODEL, "prompt": "x"})
     assert status == 502
     assert "cannot connect to the decode instance" in answer["error"]["message"]
 
@@ -282,7 +270,7 @@ async def test_unreachable_decode_gives_502(fake_p: FakeVLLM,
 async def test_hung_prefill_gives_504(proxy: RunningProxy, fake_p: FakeVLLM,
                                       client: aiohttp.ClientSession) -> None:
     fake_p.faults.hang = True
-    status, answer, _ = await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     assert status == 504
     assert answer["error"] == {"message": "prefill instance timed out",
                                "type": "GatewayTimeoutError", "code": 504}
@@ -291,25 +279,17 @@ async def test_hung_prefill_gives_504(proxy: RunningProxy, fake_p: FakeVLLM,
 
 async def test_prefill_non_json_answer_gives_502(fake_d: FakeVLLM,
                                                  client: aiohttp.ClientSession) -> None:
-    async def not_json(_: Any) -> Any:
-        from aiohttp import web
+    async def not_json(_: web.Request) -> web.Response:
         return web.Response(text="<html>oops</html>")
-    from aiohttp import web
+
     app = web.Application()
     app.router.add_post("/v1/completions", not_json)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    s = nixl_proxy.parse_args(["--prefiller-host", "127.0.0.1", "--prefiller-port", str(port),
-                               "--decoder-host", "127.0.0.1", "--decoder-port",
-                               str(fake_d.port)])
-    try:
+    async with serve_aiohttp(app) as port:
+        s = nixl_proxy.parse_args(["--prefiller-host", "127.0.0.1", "--prefiller-port",
+                                   str(port), "--decoder-host", "127.0.0.1", "--decoder-port",
+                                   str(fake_d.port)])
         async with serve_proxy(nixl_proxy.create_app(s), s) as px:
-            status, answer, _ = await post(client, px, {"model": MODEL, "prompt": "x"})
-    finally:
-        await runner.cleanup()
+            status, answer, _ = await post(client, px.url, {"model": MODEL, "prompt": "x"})
     assert status == 502
     assert answer["error"]["message"] == "prefill instance answered invalid JSON"
 
@@ -320,7 +300,7 @@ async def test_prefill_non_json_answer_gives_502(fake_d: FakeVLLM,
 async def test_request_id_is_generated_and_shared(proxy: RunningProxy, fake_p: FakeVLLM,
                                                   fake_d: FakeVLLM,
                                                   client: aiohttp.ClientSession) -> None:
-    _, answer, r = await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    _, answer, r = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     rid = fake_p.received[0].headers["X-Request-Id"]
     assert str(uuid.UUID(rid)) == rid
     assert fake_d.received[0].headers["X-Request-Id"] == rid == r.headers["X-Request-Id"]
@@ -331,7 +311,7 @@ async def test_client_request_id_and_key_are_forwarded(
         proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
         client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
     headers = {"x-request-id": "client-id-1", "authorization": "Bearer client-key"}
-    await post(client, proxy, {"model": MODEL, "prompt": "x"}, headers=headers)
+    await post(client, proxy.url, {"model": MODEL, "prompt": "x"}, headers=headers)
     for fake in (fake_p, fake_d):
         assert fake.received[0].headers["X-Request-Id"] == "client-id-1"
         assert fake.received[0].headers["Authorization"] == "Bearer client-key"
@@ -341,7 +321,7 @@ async def test_no_key_anywhere_means_no_authorization_header(
         proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
         client: aiohttp.ClientSession) -> None:
     assert proxy.state.settings.api_key is None
-    await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     assert "Authorization" not in fake_p.received[0].headers
     assert "Authorization" not in fake_d.received[0].headers
 
@@ -352,14 +332,14 @@ async def test_proxy_key_from_environment(fake_p: FakeVLLM, fake_d: FakeVLLM,
     monkeypatch.setenv("OPENAI_API_KEY", "sk-proxy")
     s = settings_for(fake_p, fake_d)
     async with serve_proxy(nixl_proxy.create_app(s), s) as px:
-        await post(client, px, {"model": MODEL, "prompt": "x"})
+        await post(client, px.url, {"model": MODEL, "prompt": "x"})
     assert fake_p.received[0].headers["Authorization"] == "Bearer sk-proxy"
     assert fake_d.received[0].headers["Authorization"] == "Bearer sk-proxy"
 
 
 async def test_bad_request_id_is_refused(proxy: RunningProxy, fake_p: FakeVLLM,
                                          client: aiohttp.ClientSession) -> None:
-    status, answer, _ = await post(client, proxy, {"model": MODEL, "prompt": "x"},
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": "x"},
                                    headers={"X-Request-Id": "x" * 300})
     assert status == 400 and "X-Request-Id" in answer["error"]["message"]
     assert fake_p.received == []
@@ -376,7 +356,7 @@ async def test_info_routes(proxy: RunningProxy, client: aiohttp.ClientSession) -
     async with client.get(f"{proxy.url}/v1/models") as r:
         assert r.status == 200
         assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
-    await post(client, proxy, {"model": MODEL, "prompt": "x"})
+    await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     async with client.get(f"{proxy.url}/metrics") as r:
         text = await r.text()
     assert 'pd_proxy_requests_total{route="completions",status="200"} 1.0' in text
@@ -395,7 +375,7 @@ async def test_round_robin_over_two_decoders(fake_p: FakeVLLM,
     try:
         async with serve_proxy(nixl_proxy.create_app(s), s) as px:
             for _ in range(6):
-                assert (await post(client, px, {"model": MODEL, "prompt": "x"}))[0] == 200
+                assert (await post(client, px.url, {"model": MODEL, "prompt": "x"}))[0] == 200
     finally:
         for d in ds:
             await d.stop()
@@ -422,13 +402,13 @@ async def test_announced_instances_serve_then_expire_and_return(
                 registry.Announcer(a, endpoint, interval_s=0.1, ctx=zctx).run()))
         await wait_for(lambda: px.state.table.count("P") == px.state.table.count("D") == 1,
                        what="both instances announced")
-        status, _, _ = await post(client, px, {"model": MODEL, "prompt": "x"})
+        status, _, _ = await post(client, px.url, {"model": MODEL, "prompt": "x"})
         assert status == 200
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await wait_for(lambda: px.state.table.snapshot() == [], timeout=5, what="expiry")
-        assert (await post(client, px, {"model": MODEL, "prompt": "x"}))[0] == 503
+        assert (await post(client, px.url, {"model": MODEL, "prompt": "x"}))[0] == 503
         a = registry.Announcement("P", fake_p.base_url, registry.Dialect.MORIIO, "z")
         back = registry.Announcer(a, endpoint, ctx=zctx)
         await back.send_once()

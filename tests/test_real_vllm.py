@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import nixl_proxy
 import relay
-from conftest import RunningProxy, bound_socket, serve_proxy, wait_for
+from conftest import RunningProxy, bound_socket, post, serve_aiohttp, serve_proxy, wait_for
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(300)]
 
@@ -94,6 +94,7 @@ def _start(role: str, core: int, model: Path, python: str, log_dir: Path) -> Ser
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "8",
+           "--enable-log-requests",
            "--chat-template", str(model / "chat_template.jinja"),
            "--kv-transfer-config", json.dumps(ktc)]
     with log.open("wb") as out:
@@ -178,19 +179,9 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 # --------------------------------------------------------------------------- helpers
 
 
-async def post(client: aiohttp.ClientSession, base: str, body: dict[str, Any],
-               route: str = "completions") -> tuple[int, Any]:
-    async with client.post(f"{base}/v1/{route}", json=body) as r:
-        raw = await r.read()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw.decode()
-
-
 async def answer(client: aiohttp.ClientSession, base: str, body: dict[str, Any],
                  route: str = "completions") -> dict[str, Any]:
-    status, data = await post(client, base, body, route)
+    status, data, _ = await post(client, base, body, route)
     assert status == 200, data
     assert isinstance(data, dict)
     return data
@@ -282,12 +273,12 @@ async def test_chat_and_streaming_equal_direct(proxy: RunningProxy, servers: Ser
             "temperature": 0, "max_tokens": 12, "ignore_eos": True}
     direct_chat = choice_text(await answer(client, servers.p.url, chat, "chat/completions"))
     assert choice_text(await answer(client, proxy.url, chat, "chat/completions")) == direct_chat
-    status, sse = await post(client, proxy.url, {**chat, "stream": True}, "chat/completions")
+    status, sse, _ = await post(client, proxy.url, {**chat, "stream": True}, "chat/completions")
     assert status == 200
     assert streamed_text(sse)[0] == direct_chat
     body = completion("class Foo: pass")
     direct = choice_text(await answer(client, servers.p.url, body))
-    status, sse = await post(client, proxy.url, {**body, "stream": True})
+    status, sse, _ = await post(client, proxy.url, {**body, "stream": True})
     assert status == 200
     assert streamed_text(sse)[0] == direct
 
@@ -297,7 +288,7 @@ async def test_budget_min_tokens_and_stream_options_reach_decode(
     # P accepts its leg (min_tokens removed; vLLM PR #39706) and D honours all of it.
     body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 10,
             "min_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
-    status, sse = await post(client, proxy.url, body)
+    status, sse, _ = await post(client, proxy.url, body)
     assert status == 200, sse
     _, events = streamed_text(sse)
     assert events[-1]["usage"]["completion_tokens"] == 10
@@ -307,26 +298,14 @@ async def test_budget_min_tokens_and_stream_options_reach_decode(
     assert data["usage"]["completion_tokens"] == 7
 
 
-async def test_decode_rejection_reaches_client(proxy: RunningProxy, servers: Servers,
-                                               client: aiohttp.ClientSession) -> None:
-    """A request only D can reject (P's copy is valid): D's 400 reaches the client as is."""
-    # vLLM 0.32 caps a max_tokens beyond the model length instead of rejecting it (seen here);
-    # stream_options without streaming is removed from P's copy, so only D refuses it.
-    body = completion(PROMPT, stream_options={"include_usage": True})
-    status, via = await post(client, proxy.url, body)
-    direct_status, direct = await post(client, servers.d.url, body)
-    assert (status, direct_status) == (400, 400), (via, direct)
-    assert via == direct
-
-
 async def test_min_tokens_above_budget_is_refused_before_prefill(
         proxy: RunningProxy, servers: Servers, client: aiohttp.ClientSession) -> None:
     """Sent on, P would prefill and D would answer 400 yet pull the KV and stall the next
     requests until P's lease expired (vLLM 0.32, seen here): the proxy refuses it first."""
     for stream in (False, True):
-        status, via = await post(client, proxy.url, completion(PROMPT, max_tokens=4,
+        status, via, _ = await post(client, proxy.url, completion(PROMPT, max_tokens=4,
                                                                min_tokens=8, stream=stream))
-        _, direct = await post(client, servers.d.url, completion(PROMPT, max_tokens=4,
+        _, direct, _ = await post(client, servers.d.url, completion(PROMPT, max_tokens=4,
                                                                  min_tokens=8))
         assert status == 400
         assert via["error"]["message"] == direct["error"]["message"]
@@ -380,6 +359,22 @@ async def test_announced_real_instances(servers: Servers,
                 await asyncio.wait_for(proc.wait(), 10)
 
 
+async def test_decode_rejection_reaches_client(proxy: RunningProxy, servers: Servers,
+                                               client: aiohttp.ClientSession) -> None:
+    """A request only D can reject (P's copy is valid): D's 400 reaches the client as is.
+
+    Near the end on purpose: P then holds KV that nobody pulls until its 30 s lease expires,
+    and vLLM 0.32's P was seen answering other requests only after that (see the README).
+    """
+    # vLLM 0.32 caps a max_tokens beyond the model length instead of rejecting it (seen here);
+    # stream_options without streaming is removed from P's copy, so only D refuses it.
+    body = completion(PROMPT, stream_options={"include_usage": True})
+    status, via, _ = await post(client, proxy.url, body)
+    direct_status, direct, _ = await post(client, servers.d.url, body)
+    assert (status, direct_status) == (400, 400), (via, direct)
+    assert via == direct
+
+
 # --------------------------------------------------------------------------- last: P dies
 
 
@@ -398,33 +393,27 @@ async def test_prefill_killed_after_prefill(servers: Servers,
 
     app = web.Application()
     app.router.add_post("/v1/{route:.*}", prefill_then_kill)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    s = nixl_proxy.parse_args([
-        "--prefiller-host", "127.0.0.1", "--prefiller-port", str(port),
-        "--decoder-host", "127.0.0.1", "--decoder-port", str(servers.d.port),
-        "--read-timeout", str(REQUEST_TIMEOUT_S)])
-    try:
+    async with contextlib.AsyncExitStack() as interposer:
+        port = await interposer.enter_async_context(serve_aiohttp(app))
+        s = nixl_proxy.parse_args([
+            "--prefiller-host", "127.0.0.1", "--prefiller-port", str(port),
+            "--decoder-host", "127.0.0.1", "--decoder-port", str(servers.d.port),
+            "--read-timeout", str(REQUEST_TIMEOUT_S)])
         async with serve_proxy(nixl_proxy.create_app(s), s) as px:
             # A prompt D has no block of, so that D must pull all of it from the dead P.
             fresh = " ".join(f"kill{i}" for i in range(60))
-            status, data = await post(client, px.url, completion(fresh))
+            status, data, _ = await post(client, px.url, completion(fresh))
             assert status >= 500, data
             assert set(data["error"]) >= {"message", "type", "code"}
             assert servers.p.proc.returncode is not None
             # The proxy is still serving: health, models from D, and a clean error for the
-            # next request whose prefill cannot be reached.
+            # next request, whose prefill instance is gone.
             async with client.get(f"{px.url}/healthcheck") as r:
                 assert r.status == 200
             async with client.get(f"{px.url}/v1/models") as r:
                 assert r.status == 200
-            await runner.cleanup()
-            status, data = await post(client, px.url, completion(PROMPT))
+            await interposer.aclose()
+            status, data, _ = await post(client, px.url, completion(PROMPT))
             assert status == 502
             assert "cannot connect to the prefill instance" in data["error"]["message"]
-        assert _healthy(servers.d), "D survives a failed transfer"
-    finally:
-        await runner.cleanup()
+    assert _healthy(servers.d), "D survives a failed transfer"
