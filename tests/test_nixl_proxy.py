@@ -158,9 +158,9 @@ async def test_sse_is_relayed_chunk_by_chunk(proxy: RunningProxy, fake_d: FakeVL
 async def test_decode_error_status_reaches_client_before_streaming(
         proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "prompt": "x" * 10, "max_tokens": 5000, "stream": True}
-    status, answer, r = await post(client, proxy.url, body)
+    status, answer, headers = await post(client, proxy.url, body)
     assert status == 400
-    assert r.headers["Content-Type"].startswith("application/json")
+    assert headers["Content-Type"].startswith("application/json")
     assert "maximum context length" in answer["error"]["message"]
     assert fake_d.received, "D saw the request and answered the 400"
 
@@ -300,10 +300,10 @@ async def test_prefill_non_json_answer_gives_502(fake_d: FakeVLLM,
 async def test_request_id_is_generated_and_shared(proxy: RunningProxy, fake_p: FakeVLLM,
                                                   fake_d: FakeVLLM,
                                                   client: aiohttp.ClientSession) -> None:
-    _, answer, r = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
+    _, answer, headers = await post(client, proxy.url, {"model": MODEL, "prompt": "x"})
     rid = fake_p.received[0].headers["X-Request-Id"]
     assert str(uuid.UUID(rid)) == rid
-    assert fake_d.received[0].headers["X-Request-Id"] == rid == r.headers["X-Request-Id"]
+    assert fake_d.received[0].headers["X-Request-Id"] == rid == headers["X-Request-Id"]
     assert answer["id"] == f"cmpl-{rid}"
 
 
