@@ -33,6 +33,7 @@ from typing import Any, Final, TypeVar
 
 import aiohttp
 import prometheus_client
+import uvloop
 import zmq
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
@@ -84,6 +85,7 @@ class Settings:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     api_key: str | None = None
+    event_loop: str = "uvloop"
 
 
 def _positive_float(text: str) -> float:
@@ -120,6 +122,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, host: str, port: int) ->
     parser.add_argument("--read-timeout", type=_positive_float, default=DEFAULT_READ_TIMEOUT_S,
                         metavar="SECONDS", help="longest upstream silence: a whole prefill, a "
                         "non-streamed answer, or a gap between chunks (default 600)")
+    parser.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
+                        help="event loop implementation (default uvloop, faster; see "
+                             "BENCHMARKS.md)")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default INFO)")
 
@@ -130,7 +135,7 @@ def common_settings(ns: argparse.Namespace, **extra: Any) -> Settings:
         host=ns.host, port=ns.port, instance_ttl_s=ns.instance_ttl, policy=Policy(ns.policy),
         log_level=ns.log_level, connect_timeout_s=ns.connect_timeout,
         read_timeout_s=ns.read_timeout, api_key=os.environ.get("OPENAI_API_KEY") or None,
-        **extra,
+        event_loop=ns.event_loop, **extra,
     )
 
 
@@ -718,7 +723,10 @@ async def serve(app: Quart, settings: Settings, shutdown: asyncio.Event | None =
 def run(app: Quart, settings: Settings) -> int:
     """Blocking entry for ``main()``; returns the process exit code."""
     try:
-        asyncio.run(serve(app, settings))
+        # uvloop: the same asyncio API on libuv; the proxy is event-loop bound (BENCHMARKS.md).
+        factory = uvloop.new_event_loop if settings.event_loop == "uvloop" else None
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(app, settings))
     except OSError as exc:
         logger.error("cannot serve on %s: %s", _bind(settings), exc)
         return 1

@@ -19,7 +19,6 @@ import contextlib
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ class Round:
     seconds: float
     latencies_s: list[float]
     errors: int
+    upstream_calls: dict[str, int]  # calls the fakes saw, by kind, during this round
 
     @property
     def rps(self) -> float:
@@ -122,14 +122,27 @@ async def drive(session: aiohttp.ClientSession, base: str, stream: bool, request
     return time.perf_counter() - started, latencies, errors
 
 
+async def fake_counts(session: aiohttp.ClientSession, ports: dict[str, int]) -> dict[str, int]:
+    """Requests the fakes received so far, by kind (prefill legs, decode legs, plain)."""
+    total: dict[str, int] = {}
+    for port in ports.values():
+        async with session.get(f"http://127.0.0.1:{port}/fake/stats") as r:
+            for kind, n in (await r.json()).items():
+                total[kind] = total.get(kind, 0) + n
+    return total
+
+
 def proxy_commands(p_port: int, d_port: int,
                    router: str | None) -> dict[str, tuple[int, list[str]]]:
     """Each proxy under test: its port and command line."""
-    port = free_port()
-    cmds = {"nixl_proxy.py": (port, [
-        sys.executable, str(ROOT / "nixl_proxy.py"), "--port", str(port),
-        "--prefiller-host", "127.0.0.1", "--prefiller-port", str(p_port),
-        "--decoder-host", "127.0.0.1", "--decoder-port", str(d_port), "--log-level", "WARNING"])}
+    cmds = {}
+    for loop in ("uvloop", "asyncio"):
+        port = free_port()
+        cmds[f"nixl_proxy.py ({loop})"] = (port, [
+            sys.executable, str(ROOT / "nixl_proxy.py"), "--port", str(port),
+            "--prefiller-host", "127.0.0.1", "--prefiller-port", str(p_port),
+            "--decoder-host", "127.0.0.1", "--decoder-port", str(d_port),
+            "--log-level", "WARNING", "--event-loop", loop])
     if router:
         rport = free_port()
         cmds["vllm-router"] = (rport, [
@@ -164,18 +177,27 @@ async def run(ns: argparse.Namespace) -> list[Round]:
         for _ in range(ns.rounds):
             for stream in (False, True):
                 for name, base in bases.items():
+                    before = await fake_counts(session, ports)
                     seconds, lat, errors = await drive(session, base, stream, ns.requests,
                                                        ns.concurrency)
-                    rounds.append(Round(name, stream, seconds, lat, errors))
+                    after = await fake_counts(session, ports)
+                    calls = {k: after[k] - before[k] for k in after}
+                    rounds.append(Round(name, stream, seconds, lat, errors, calls))
         print(f"logs in {logs}", file=sys.stderr)
         return rounds
+
+
+def per_request(r: Round) -> str:
+    n = max(1, len(r.latencies_s) + r.errors)
+    return ", ".join(f"{kind} {count / n:.2f}" for kind, count in r.upstream_calls.items()
+                     if count)
 
 
 def report(rounds: list[Round], ns: argparse.Namespace) -> str:
     lines = [f"{ns.requests} requests x {ns.rounds} rounds, concurrency {ns.concurrency}, "
              f"max_tokens 16, fake P and D without latency; median round shown",
-             "", "| proxy | mode | req/s | p50 ms | p99 ms | errors |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+             "", "| proxy | mode | req/s | p50 ms | p99 ms | errors | upstream calls per request |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for name in dict.fromkeys(r.target for r in rounds):
         for stream in (False, True):
             mine = sorted((r for r in rounds if r.target == name and r.stream == stream),
@@ -183,11 +205,7 @@ def report(rounds: list[Round], ns: argparse.Namespace) -> str:
             mid = mine[len(mine) // 2]
             lines.append(f"| {name} | {'stream' if stream else 'json'} | {mid.rps:.0f} | "
                          f"{mid.pct(0.5):.1f} | {mid.pct(0.99):.1f} | "
-                         f"{sum(r.errors for r in mine)} |")
-    rps = [statistics.median(r.rps for r in rounds if r.target == n) for n in
-           dict.fromkeys(r.target for r in rounds)]
-    lines.append("")
-    lines.append("median req/s over all rounds: " + ", ".join(f"{x:.0f}" for x in rps))
+                         f"{sum(r.errors for r in mine)} | {per_request(mid)} |")
     return "\n".join(lines)
 
 

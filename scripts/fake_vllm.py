@@ -12,7 +12,8 @@ KV transfer, as the connectors do it:
 - a request with ``do_remote_prefill`` is a decode: the params are checked and a 400 names
   whatever is missing or inconsistent, so a proxy bug fails loudly.
 
-Everything received is recorded (``FakeVLLM.received``) and faults can be injected
+Everything received is recorded (``FakeVLLM.received``; counts by kind at ``GET /fake/stats``)
+and faults can be injected
 (``FakeVLLM.faults``): answer an error, die mid-stream, hang. It can announce itself to a proxy's
 discovery socket in any dialect.
 
@@ -107,6 +108,9 @@ class FakeVLLM:
     received: list[Received] = field(default_factory=list)
     faults: Faults = field(default_factory=Faults)
     returned_ktp: list[dict[str, Any]] = field(default_factory=list)
+    keep_received: bool = True  # False for long runs (demo, benchmark): counts only
+    counts: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0,
+                                                            "plain": 0})
     cancelled: int = 0
     completed: int = 0
     completed_at: list[float] = field(default_factory=list)
@@ -123,6 +127,7 @@ class FakeVLLM:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/fake/stats", self._stats)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -149,6 +154,9 @@ class FakeVLLM:
 
     # ---------------------------------------------------------------- handlers
 
+    async def _stats(self, _: web.Request) -> web.Response:
+        return web.json_response(self.counts)
+
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -170,8 +178,10 @@ class FakeVLLM:
             body: Any = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
             body = raw.decode("utf-8", "replace")
-        self.received.append(Received(request.path, CIMultiDict(request.headers), body,
-                                      time.monotonic()))
+        if self.keep_received:
+            self.received.append(Received(request.path, CIMultiDict(request.headers), body,
+                                          time.monotonic()))
+        self._count(body)
         try:
             return await self._answer(request, body, chat)
         except FakeError as exc:
@@ -203,6 +213,13 @@ class FakeVLLM:
             _abort(request)
         self._done()
         return web.json_response(gen.full_answer(chat, ktp_out))
+
+    def _count(self, body: Any) -> None:
+        ktp = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        ktp = ktp if isinstance(ktp, dict) else {}
+        kind = ("prefill" if ktp.get("do_remote_decode") else
+                "decode" if ktp.get("do_remote_prefill") else "plain")
+        self.counts[kind] += 1
 
     def _done(self) -> None:
         self.completed += 1
@@ -507,7 +524,7 @@ async def _main(ns: argparse.Namespace) -> None:
                     token_latency_s=ns.token_latency_ms / 1000,
                     faults=Faults(status=ns.fail_status, die_after_chunks=ns.die_after_chunks),
                     zmq_address=ns.zmq_address or "", transfer_mode=ns.transfer_mode,
-                    dp_size=ns.dp_size, tp_size=ns.tp_size)
+                    dp_size=ns.dp_size, tp_size=ns.tp_size, keep_received=False)
     url = await fake.start(ns.host, ns.port)
     if ns.port_file:
         Path(ns.port_file).write_text(str(fake.port))  # noqa: ASYNC240 - once, tiny
