@@ -38,6 +38,7 @@ import zmq
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
 import registry
 from registry import InstanceTable, NoInstanceError, Policy
@@ -604,8 +605,23 @@ def create_base_app(settings: Settings, flow: Flow, name: str) -> Quart:
     for path, route in ROUTES.items():
         app.add_url_rule(path, view_func=_completion_view(app, route, flow), methods=["POST"])
     _add_info_routes(app)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _internal_error)
     app.while_serving(_lifespan(app))
     return app
+
+
+async def _http_error(exc: HTTPException) -> Response:
+    """Quart's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+    status = exc.code or 500
+    name = (exc.name or "HTTP").title().replace(" ", "")
+    return error_response(status, exc.description or exc.name or "error", f"{name}Error")
+
+
+async def _internal_error(exc: Exception) -> Response:
+    """A bug in the proxy: logged with its traceback; the client gets no internals."""
+    logger.error("unhandled error: %s", exc, exc_info=exc)
+    return error_response(500, "internal proxy error (logged)", "InternalServerError")
 
 
 def _lifespan(app: Quart) -> Callable[[], AsyncGenerator[None, None]]:
@@ -668,6 +684,37 @@ def _add_info_routes(app: Quart) -> None:
     for path, view in (("/healthcheck", healthcheck), ("/health", health),
                        ("/instances", instances), ("/metrics", metrics), ("/v1/models", models)):
         app.add_url_rule(path, view_func=view, methods=["GET"])
+    for action in ("start_profile", "stop_profile"):
+        app.add_url_rule(f"/{action}", view_func=_fan_out_view(app, action), methods=["POST"])
+
+
+def _fan_out_view(app: Quart, action: str) -> Callable[[], Awaitable[Response]]:
+    async def view() -> Response:
+        return await fan_out(state_of(app), action)
+
+    view.__name__ = f"{action}_view"
+    return view
+
+
+async def fan_out(st: ProxyState, action: str) -> Response:
+    """POST /start_profile or /stop_profile to every routable instance (as vLLM's MoRIIO
+    reference proxy does); 200 when all of them answered 2xx, else 502, with each answer."""
+    targets = st.table.routable("P") + st.table.routable("D")
+
+    async def one(inst: registry.Instance) -> dict[str, Any]:
+        url = f"{inst.base_url.removesuffix('/v1')}/{action}"
+        try:
+            async with st.session.post(url, timeout=st.timeout(
+                    st.settings.connect_timeout_s)) as r:
+                return {"url": url, "role": inst.role, "status": r.status}
+        except UPSTREAM_ERRORS as exc:
+            return {"url": url, "role": inst.role, "status": None,
+                    "error": f"{type(exc).__name__}: {exc}"}
+
+    results = await asyncio.gather(*(one(i) for i in targets))
+    ok = bool(results) and all(r["status"] is not None and r["status"] < 300 for r in results)
+    return Response(json.dumps({"results": results}), status=200 if ok else 502,
+                    content_type="application/json")
 
 
 async def _relay_models(st: ProxyState) -> Response:

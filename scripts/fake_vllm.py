@@ -128,6 +128,8 @@ class FakeVLLM:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/fake/stats", self._stats)
+        app.router.add_post("/start_profile", self._profile)
+        app.router.add_post("/stop_profile", self._profile)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -153,6 +155,11 @@ class FakeVLLM:
         return [r.body for r in self.received if r.path.endswith(path_suffix)]
 
     # ---------------------------------------------------------------- handlers
+
+    async def _profile(self, request: web.Request) -> web.Response:
+        self.received.append(Received(request.path, CIMultiDict(request.headers), None,
+                                      time.monotonic()))
+        return web.Response(status=200)
 
     async def _stats(self, _: web.Request) -> web.Response:
         return web.json_response(self.counts)

@@ -48,8 +48,10 @@ def test_toy_proxy_command_line_is_accepted() -> None:
     assert s.discovery_port is None and s.log_level == "DEBUG"
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 async def test_proxy_process_serves_and_stops_on_sigterm(fake_p: FakeVLLM, fake_d: FakeVLLM,
-                                                         client: aiohttp.ClientSession) -> None:
+                                                         client: aiohttp.ClientSession,
+                                                         loop: str) -> None:
     sock = bound_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -57,7 +59,7 @@ async def test_proxy_process_serves_and_stops_on_sigterm(fake_p: FakeVLLM, fake_
         sys.executable, str(ROOT / "nixl_proxy.py"), "--port", str(port),
         "--prefiller-host", "127.0.0.1", "--prefiller-port", str(fake_p.port),
         "--decoder-host", "127.0.0.1", "--decoder-port", str(fake_d.port),
-        stderr=asyncio.subprocess.PIPE)
+        "--event-loop", loop, stderr=asyncio.subprocess.PIPE)
     try:
         async def up() -> bool:
             try:

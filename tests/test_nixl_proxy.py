@@ -243,6 +243,22 @@ async def test_bad_bodies_get_400(proxy: RunningProxy, fake_p: FakeVLLM, body: b
     assert fake_p.received == []
 
 
+async def test_proxy_errors_are_openai_json(proxy: RunningProxy,
+                                            client: aiohttp.ClientSession) -> None:
+    proxy.app.config["MAX_CONTENT_LENGTH"] = 1000
+    cases = [("GET", "/nope", None, 404, "NotFoundError"),
+             ("GET", "/v1/completions", None, 405, "MethodNotAllowedError"),
+             ("POST", "/v1/completions", b"x" * 2000, 413, "RequestEntityTooLargeError")]
+    for method, path, data, status, err_type in cases:
+        async with client.request(method, f"{proxy.url}{path}", data=data) as r:
+            assert r.status == status
+            assert r.headers["Content-Type"] == "application/json"
+            body = await r.json()
+        assert body["error"]["code"] == status and body["error"]["type"] == err_type
+    # Still serving.
+    assert (await post(client, proxy.url, {"model": MODEL, "prompt": "x"}))[0] == 200
+
+
 async def test_no_instances_gives_503(client: aiohttp.ClientSession) -> None:
     s = nixl_proxy.parse_args(["--discovery-port", "1"])
     s = relay.Settings(**{**s.__dict__, "discovery_port": None})
@@ -364,6 +380,23 @@ async def test_info_routes(proxy: RunningProxy, client: aiohttp.ClientSession) -
         listing = await r.json()
     assert [i["role"] for i in listing["instances"]] == ["P", "D"] or \
         sorted(i["role"] for i in listing["instances"]) == ["D", "P"]
+
+
+async def test_profile_calls_fan_out_to_every_instance(
+        proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
+        client: aiohttp.ClientSession) -> None:
+    for action in ("start_profile", "stop_profile"):
+        async with client.post(f"{proxy.url}/{action}") as r:
+            assert r.status == 200
+            results = (await r.json())["results"]
+        assert sorted(x["role"] for x in results) == ["D", "P"]
+    assert [r.path for r in fake_p.received] == ["/start_profile", "/stop_profile"]
+    assert [r.path for r in fake_d.received] == ["/start_profile", "/stop_profile"]
+    await fake_d.stop()
+    async with client.post(f"{proxy.url}/start_profile") as r:
+        assert r.status == 502
+        failed = [x for x in (await r.json())["results"] if x["status"] is None]
+    assert [x["role"] for x in failed] == ["D"]
 
 
 async def test_round_robin_over_two_decoders(fake_p: FakeVLLM,
