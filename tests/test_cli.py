@@ -82,34 +82,23 @@ async def test_proxy_process_serves_and_stops_on_sigterm(fake_p: FakeVLLM, fake_
     assert "NIXL proxy on 127.0.0.1" in log
 
 
-async def test_port_in_use_is_a_clear_error() -> None:
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "{busy}", "--prefiller-host", "a", "--prefiller-port", "1",
+      "--decoder-host", "b", "--decoder-port", "2"], "cannot serve on 127.0.0.1"),
+    (["--port", "1", "--discovery-host", "127.0.0.1", "--discovery-port", "{busy}"],
+     "cannot listen for discovery: Address already in use"),
+], ids=["http", "discovery"])
+async def test_port_in_use_is_a_clear_error(flags: list[str], message: str) -> None:
     sock = bound_socket()
     sock.listen()
+    busy = str(sock.getsockname()[1])
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "nixl_proxy.py"), "--port",
-            str(sock.getsockname()[1]), "--prefiller-host", "a", "--prefiller-port", "1",
-            "--decoder-host", "b", "--decoder-port", "2",
-            stderr=asyncio.subprocess.PIPE)
+            sys.executable, str(ROOT / "nixl_proxy.py"),
+            *[f.replace("{busy}", busy) for f in flags], stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 20)
     finally:
         sock.close()
     assert proc.returncode == 1
-    assert "cannot serve on 127.0.0.1" in err.decode()
-    assert "Traceback" not in err.decode()
-
-
-async def test_discovery_port_in_use_is_a_clear_error() -> None:
-    sock = bound_socket()
-    sock.listen()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "nixl_proxy.py"), "--port", "1",
-            "--discovery-host", "127.0.0.1", "--discovery-port", str(sock.getsockname()[1]),
-            stderr=asyncio.subprocess.PIPE)
-        _, err = await asyncio.wait_for(proc.communicate(), 20)
-    finally:
-        sock.close()
-    assert proc.returncode == 1
-    assert "cannot listen for discovery: Address already in use" in err.decode()
+    assert message in err.decode()
     assert "Traceback" not in err.decode()
