@@ -27,7 +27,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -528,26 +528,54 @@ async def decode_leg(st: ProxyState, req: ClientRequest, url: str, body: Mapping
         resp.close()
         await cleanup.aclose()
         return Response(first, status=resp.status, content_type=ctype, headers=out_headers)
-    out = Response(_relay_chunks(resp, first, req.request_id, cleanup), status=resp.status,
+    out = Response(DecodeStream(resp, first, req.request_id, cleanup), status=resp.status,
                    content_type=ctype, headers=out_headers)
     out.timeout = None  # a long generation is not a hung response; idle reads are timed instead
     return out
 
 
-async def _relay_chunks(resp: aiohttp.ClientResponse, first: bytes, request_id: str,
-                        cleanup: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
-    async with cleanup:
+class DecodeStream:
+    """D's SSE answer relayed chunk by chunk, as a Quart response body.
+
+    An iterator object rather than an async generator: Quart closes the body when it is done
+    with it, and closing releases the upstream response and ``cleanup`` even when iteration
+    never started (a generator's own ``finally`` would not run then).
+    """
+
+    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, request_id: str,
+                 cleanup: contextlib.AsyncExitStack) -> None:
+        self._resp, self._first, self._request_id = resp, first, request_id
+        self._cleanup = cleanup
+        self._chunks = resp.content.iter_any()
+        self._closed = False
+
+    def __aiter__(self) -> DecodeStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._first:
+            first, self._first = self._first, b""
+            return first
         try:
-            if first:
-                yield first
-            async for chunk in resp.content.iter_any():
-                yield chunk
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
         except UPSTREAM_ERRORS as exc:
-            logger.warning("[%s] decode stream broke after it started: %s: %s", request_id,
-                           type(exc).__name__, exc)
-            yield sse_error_event(f"decode instance failed mid-stream: {type(exc).__name__}")
-        finally:
-            resp.close()  # closing, not releasing: an unfinished upstream must see the abort
+            logger.warning("[%s] decode stream broke after it started: %s: %s",
+                           self._request_id, type(exc).__name__, exc)
+            await self.aclose()
+            return sse_error_event(f"decode instance failed mid-stream: {type(exc).__name__}")
+
+    async def aclose(self) -> None:
+        """Close the upstream (an unfinished one sees the abort), then run ``cleanup``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._resp.close()
+        await self._cleanup.aclose()
 
 
 # --------------------------------------------------------------------------- app

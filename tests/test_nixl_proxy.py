@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -487,3 +488,22 @@ def fake_d_text(fake_d: FakeVLLM, chat: bool) -> str:
     body = fake_d.bodies()[-1]
     gen = Generation(MODEL, body, 0, body.get("max_tokens"), False, {})
     return "".join(gen.tokens(chat)[0])
+
+
+async def test_stream_body_closed_before_iteration_releases_everything(
+        fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
+    """The client may vanish before Quart iterates the body: closing it must still close D's
+    response (D sees the abort) and run the cleanup (the instance lease ends)."""
+    fake_d.token_latency_s = 0.2
+    resp = await client.post(f"{fake_d.base_url}/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True})
+    released: list[bool] = []
+    cleanup = contextlib.AsyncExitStack()
+    cleanup.callback(released.append, True)
+    body = relay.DecodeStream(resp, b"", "rid", cleanup)
+    await body.aclose()
+    assert released == [True]
+    assert resp.closed
+    await wait_for(lambda: fake_d.cancelled == 1, what="D to see the abort")
+    with pytest.raises(StopAsyncIteration):
+        await body.__anext__()
