@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -260,10 +261,6 @@ def prompt_count(body: Mapping[str, Any]) -> int:
 
 def check_route_body(route: str, body: Mapping[str, Any]) -> None:
     """Refuse what no P/D flow can serve correctly."""
-    if route == "completions" and prompt_count(body) > 1:
-        # One set of kv_transfer_params cannot serve several prompts (vLLM PRs #50559, #54707).
-        raise ProxyError(400, "completions with several prompts are not supported through "
-                         "disaggregated prefill; send one request per prompt")
     check_min_tokens(route, body)
 
 
@@ -578,6 +575,180 @@ class DecodeStream:
         await self._cleanup.aclose()
 
 
+# --------------------------------------------------------------------------- several prompts
+# One set of kv_transfer_params cannot serve several prompts: D applies it to every sub-request
+# and the second one fails in vLLM (PRs #50559, #54707). So a completions request with several
+# prompts becomes one P/D flow per prompt, and the answers are merged back into one, as a
+# single vLLM server would have answered: choice index = prompt index * n + choice index.
+
+
+def split_prompts(req: ClientRequest) -> list[ClientRequest]:
+    """One request per prompt, each with its own request id."""
+    return [dataclasses.replace(req, body={**req.body, "prompt": prompt},
+                                request_id=f"{req.request_id}-{i}")
+            for i, prompt in enumerate(req.body["prompt"])]
+
+
+def _reindex(choices: list[dict[str, Any]], prompt_index: int, n: int) -> None:
+    for choice in choices:
+        choice["index"] = prompt_index * n + int(choice.get("index") or 0)
+
+
+def _add_usage(total: dict[str, int], usage: Any) -> None:
+    if isinstance(usage, dict):
+        for key, value in usage.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+
+
+def merge_answers(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Non-streamed answers, one per prompt, as one answer."""
+    merged = dict(answers[0])
+    merged["choices"] = []
+    usage: dict[str, int] = {}
+    for i, answer in enumerate(answers):
+        choices = [dict(c) for c in answer.get("choices") or []]
+        _reindex(choices, i, n)
+        merged["choices"].extend(choices)
+        _add_usage(usage, answer.get("usage"))
+    if "usage" in merged:
+        merged["usage"] = usage
+    if "kv_transfer_params" in merged:
+        merged["kv_transfer_params"] = None
+    return merged
+
+
+async def serve_prompts(st: ProxyState, req: ClientRequest, flow: Flow) -> Response:
+    """Run ``flow`` once per prompt, concurrently, and merge the answers.
+
+    The first failure (before any byte went out) is the client's answer and the other flows
+    are cancelled or closed.
+    """
+    subs = split_prompts(req)
+    done: list[Response | None] = [None] * len(subs)
+
+    async def one(i: int) -> None:
+        done[i] = await flow(st, subs[i])
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for i in range(len(subs)):
+                group.create_task(one(i))
+    except BaseException as exc:
+        for resp in done:
+            if resp is not None:
+                await _close_body(resp)
+        if isinstance(exc, BaseExceptionGroup):
+            raise exc.exceptions[0] from None
+        raise
+    responses = [r for r in done if r is not None]
+    n = int(req.body.get("n") or 1)
+    headers = {"X-Request-Id": req.request_id}
+    if req.stream:
+        out = Response(MergedStream(responses, n), status=200,
+                       content_type=responses[0].content_type, headers=headers)
+        out.timeout = None
+        return out
+    answers = [json.loads(await r.get_data()) for r in responses]
+    return Response(json.dumps(merge_answers(answers, n)), status=200,
+                    content_type="application/json", headers=headers)
+
+
+async def _close_body(resp: Response) -> None:
+    body = resp.response
+    await body.__aexit__(None, None, None)  # type: ignore[arg-type]
+
+
+class MergedStream:
+    """Several prompts' SSE streams as one: events interleaved as they arrive, choice indexes
+    rewritten, usage chunks summed into one, a single ``data: [DONE]`` at the end."""
+
+    def __init__(self, responses: list[Response], n: int) -> None:
+        self._responses = responses
+        self._n = n
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._usage: dict[str, int] = {}
+        self._usage_event: dict[str, Any] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._open = len(responses)
+        self._failed = False
+        self._closed = False
+
+    def __aiter__(self) -> MergedStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._pump(i, r))
+                           for i, r in enumerate(self._responses)]
+        while self._open:
+            item = await self._queue.get()
+            if item is None:
+                self._open -= 1
+            else:
+                return item
+        await self.aclose()
+        return self._final()
+
+    def _final(self) -> bytes:
+        if self._failed:  # a sub-stream ended with an error event: no clean end
+            return b""
+        tail = b""
+        if self._usage_event is not None:
+            tail = _sse({**self._usage_event, "usage": self._usage})
+        return tail + b"data: [DONE]\n\n"
+
+    async def _pump(self, index: int, resp: Response) -> None:
+        buffer = b""
+        try:
+            async with resp.response as body:
+                async for chunk in body:
+                    buffer += chunk
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        out = self._rewrite(index, event)
+                        if out:
+                            await self._queue.put(out)
+        finally:
+            await self._queue.put(None)
+
+    def _rewrite(self, index: int, event: bytes) -> bytes:
+        data = event.removeprefix(b"data: ").strip()
+        if data == b"[DONE]" or not data:
+            return b""
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(obj, dict) or "error" in obj:
+            self._failed = True
+            return event + b"\n\n"
+        choices = obj.get("choices") or []
+        if not choices and obj.get("usage") is not None:
+            _add_usage(self._usage, obj["usage"])
+            self._usage_event = obj
+            return b""
+        _reindex(choices, index, self._n)
+        return _sse(obj)
+
+    async def aclose(self) -> None:
+        """Stop every sub-stream (their own close releases their upstreams)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for resp in self._responses:
+            await _close_body(resp)
+
+
+def _sse(obj: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
 # --------------------------------------------------------------------------- app
 
 
@@ -610,6 +781,8 @@ async def _serve_completion(st: ProxyState, route: str, flow: Flow) -> Response:
     try:
         req = await _client_request(route)
         rid = req.request_id
+        if route == "completions" and prompt_count(req.body) > 1:
+            return await serve_prompts(st, req, flow)
         return await flow(st, req)
     except (ProxyError, UpstreamHTTPError, NoInstanceError, *UPSTREAM_ERRORS) as exc:
         err = map_error(exc, "upstream")

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -219,6 +220,84 @@ async def test_client_disconnect_during_prefill_cancels_prefill(
     assert fake_d.received == []
 
 
+# --------------------------------------------------------------------------- several prompts
+
+
+async def direct_text(client: aiohttp.ClientSession, fake: FakeVLLM, prompt: Any,
+                      max_tokens: int) -> str:
+    _, answer, _ = await post(client, fake.base_url.removesuffix("/v1"),
+                              {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+    return str(answer["choices"][0]["text"])
+
+
+async def test_several_prompts_are_split_and_merged(
+        proxy: RunningProxy, fake_p: FakeVLLM, fake_d: FakeVLLM,
+        client: aiohttp.ClientSession) -> None:
+    prompts: list[Any] = ["one two", [5, 6, 7], "three"]
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": prompts,
+                                                       "max_tokens": 3})
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"] == {"prompt_tokens": 2 + 3 + 1, "completion_tokens": 9,
+                               "total_tokens": 15}
+    assert answer["kv_transfer_params"] is None
+    assert sorted(map(str, (b["prompt"] for b in fake_p.bodies()))) == sorted(map(str, prompts))
+    d_bodies = fake_d.bodies()
+    assert all(b["kv_transfer_params"]["remote_num_tokens"] in (1, 2, 3) for b in d_bodies)
+    texts = [c["text"] for c in answer["choices"]]
+    assert texts == [await direct_text(client, fake_d, p, 3) for p in prompts]
+    ids = {r.headers["X-Request-Id"] for r in fake_p.received}
+    assert len(ids) == 3, "each prompt is its own P/D flow"
+
+
+async def test_several_prompts_streamed(proxy: RunningProxy, fake_d: FakeVLLM,
+                                        client: aiohttp.ClientSession) -> None:
+    fake_d.token_latency_s = 0.01
+    prompts = ["alpha beta", "gamma"]
+    status, text, _ = await post(client, proxy.url, {
+        "model": MODEL, "prompt": prompts, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200
+    events = sse_events(text)
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = [c for c in chunks if not c["choices"]]
+    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 8
+    by_index: dict[int, str] = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c["choices"]:
+            by_index[choice["index"]] += choice["text"]
+    assert [by_index[0], by_index[1]] == [await direct_text(client, fake_d, p, 4)
+                                          for p in prompts]
+
+
+async def test_several_prompts_one_failing_fails_the_request(
+        proxy: RunningProxy, fake_d: FakeVLLM, client: aiohttp.ClientSession) -> None:
+    fake_d.max_model_len = 12
+    fake_d.token_latency_s = 0.05
+    for stream in (False, True):
+        status, answer, _ = await post(client, proxy.url, {
+            "model": MODEL, "prompt": ["short", "w " * 20], "max_tokens": 3, "stream": stream})
+        assert status == 400
+        assert "maximum context length" in answer["error"]["message"]
+    await wait_for(lambda: all(e["in_flight"] == 0 for e in proxy.state.table.snapshot()),
+                   what="every lease to end")
+
+
+def test_merge_answers_with_n() -> None:
+    answers: list[dict[str, Any]] = [
+        {"id": "a", "choices": [{"index": 0, "text": "x"}, {"index": 1, "text": "y"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}},
+               {"id": "b", "choices": [{"index": 1, "text": "z"}, {"index": 0, "text": "w"}],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}}]
+    merged = relay.merge_answers(answers, n=2)
+    assert merged["id"] == "a"
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [
+        (0, "x"), (1, "y"), (3, "z"), (2, "w")]
+    assert merged["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert answers[0]["choices"][1]["index"] == 1, "inputs are not modified"
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -230,8 +309,6 @@ async def test_client_disconnect_during_prefill_cancels_prefill(
     (b'"text"', "must be a JSON object"),
     (b'{"prompt": "x", "stream": "yes"}', "'stream' must be a boolean"),
     (b'{"prompt": "x", "max_tokens": "5"}', "'max_tokens' must be an integer"),
-    (b'{"prompt": ["a", "b"]}', "several prompts"),
-    (b'{"prompt": [[1, 2], [3]]}', "several prompts"),
     (b'{"prompt": "x", "max_tokens": 4, "min_tokens": 8}',
      "min_tokens must be less than or equal to max_tokens=4, got 8."),
 ])
