@@ -362,3 +362,17 @@ async def test_decode_rejects_a_broken_request_id(proxy: RunningProxy,
             headers={"X-Request-Id": "plain-uuid"}) as r:
         assert r.status == 400
         assert "request id" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["READ", "WRITE"])
+async def test_several_prompts_get_a_flow_each(proxy: RunningProxy, zctx: zmq.asyncio.Context,
+                                               fakes: list[FakeVLLM],
+                                               client: aiohttp.ClientSession, mode: str) -> None:
+    p, d = await deploy(proxy, zctx, fakes, mode)
+    status, answer, _ = await post(client, proxy.url, {"model": MODEL, "prompt": ["a b", "c"],
+                                                       "max_tokens": 2})
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 4
+    transfer_ids = {b["kv_transfer_params"]["transfer_id"] for b in d.bodies()}
+    assert len(transfer_ids) == 2 and len(p.received) == 2
