@@ -283,6 +283,26 @@ async def test_chat_and_streaming_equal_direct(proxy: RunningProxy, servers: Ser
     assert streamed_text(sse)[0] == direct
 
 
+async def test_several_prompts_each_get_their_own_kv(proxy: RunningProxy, servers: Servers,
+                                                     client: aiohttp.ClientSession) -> None:
+    """One kv_transfer_params set for several prompts fails in vLLM; split, each matches."""
+    prompts = ["def first(a):", "class Second(object):", BLOCKS_PROMPT[:200]]
+    via = await answer(client, proxy.url, {**completion(prompts[0]), "prompt": prompts})
+    assert [c["index"] for c in via["choices"]] == [0, 1, 2]
+    for choice, prompt in zip(via["choices"], prompts, strict=True):
+        assert choice["text"] == choice_text(await answer(client, servers.p.url,
+                                                          completion(prompt)))
+    status, sse, _ = await post(client, proxy.url, {**completion(prompts[0]), "prompt": prompts,
+                                                    "stream": True})
+    assert status == 200
+    _, events = streamed_text(sse)
+    texts = ["", "", ""]
+    for event in events:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in via["choices"]]
+
+
 async def test_budget_min_tokens_and_stream_options_reach_decode(
         proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
     # P accepts its leg (min_tokens removed; vLLM PR #39706) and D honours all of it.
