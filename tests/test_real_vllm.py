@@ -322,16 +322,20 @@ async def test_min_tokens_above_budget_is_refused_before_prefill(
         proxy: RunningProxy, servers: Servers, client: aiohttp.ClientSession) -> None:
     """Sent on, P would prefill and D would answer 400 yet pull the KV and stall the next
     requests until P's lease expired (vLLM 0.32, seen here): the proxy refuses it first."""
-    for stream in (False, True):
-        status, via, _ = await post(client, proxy.url, completion(PROMPT, max_tokens=4,
-                                                               min_tokens=8, stream=stream))
-        _, direct, _ = await post(client, servers.d.url, completion(PROMPT, max_tokens=4,
-                                                                 min_tokens=8))
+    body = completion(PROMPT, max_tokens=4, min_tokens=8)
+    before = await d_metrics(client, servers)
+    refusals = [await post(client, proxy.url, {**body, "stream": stream})
+                for stream in (False, True)]
+    after = await d_metrics(client, servers)
+    for key in ("external_kv_transfer", "local_compute"):
+        assert delta(after, before, key) == 0, "the refused requests never reached D"
+    _, direct, _ = await post(client, servers.d.url, body)
+    for status, via, _ in refusals:
         assert status == 400
         assert via["error"]["message"] == direct["error"]["message"]
-    started = time.monotonic()
-    await answer(client, proxy.url, completion(SHORT_PROMPT + "after", max_tokens=4))
-    assert time.monotonic() - started < 10, "D is not stalled"
+    # And the next request is served.
+    served = await answer(client, proxy.url, completion(SHORT_PROMPT + "after", max_tokens=4))
+    assert served["usage"]["completion_tokens"] == 4
 
 
 async def test_openai_sdk(proxy: RunningProxy, servers: Servers) -> None:
