@@ -10,8 +10,8 @@ A drop-in for the command line of vLLM's
 themselves over ZMQ (``--discovery-port``, or ``scripts/announce.py`` for NIXL instances, which
 do not announce on their own).
 
-Not here: retries on another instance, several prompts per completions request (refused with a
-400), the P2P NCCL flow.
+Not here: retries on another instance, the P2P NCCL flow. (Completions with several prompts are
+split into one flow per prompt by ``relay.serve_prompts``.)
 """
 
 from __future__ import annotations

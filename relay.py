@@ -2,8 +2,9 @@
 
 - settings and the command-line flags common to both proxies;
 - the Quart app skeleton (``create_base_app``) with the common routes (completions, chat,
-  health, healthcheck, models, instances, metrics) and the serving hooks that own the pooled
-  upstream session, the discovery listener and its task;
+  health, healthcheck, models, instances, metrics, profile fan-out) and the serving hooks that
+  own the pooled upstream session, the discovery listener and its task;
+- completions with several prompts: one flow per prompt, answers merged (``serve_prompts``);
 - the upstream legs: ``call_prefill`` (JSON) and ``decode_leg`` (relayed to the client as it
   arrives), and ``Supervised`` for a prefill that runs beside the decode;
 - the one error mapping (PROTOCOL.md section 4, STYLE.md section 2.7);
