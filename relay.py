@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -306,7 +305,8 @@ def upstream_headers(req: ClientRequest, api_key: str | None,
 
 def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
     """The P copy of a client body (PROTOCOL.md section 2); the original is left untouched."""
-    p = {k: copy.deepcopy(v) for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
+    # A shallow copy is enough: only top-level keys change, nested values are sent as they are.
+    p = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
     p["stream"] = False
     p["max_tokens"] = 1
     if "max_completion_tokens" in body:
